@@ -1,0 +1,6 @@
+"""Gradient accumulation for MindSpore that trains the full-batch update on micro-batch memory."""
+from ms_gradaccum._cell import GradAccumulationCell as GradAccumulationCell
+
+__version__ = "0.1.0"
+
+__all__ = ["GradAccumulationCell", "__version__"]

@@ -1,0 +1,156 @@
+"""The public cells: validate the arguments, wire the parts, ``construct``."""
+import mindspore as ms
+from mindspore import nn, ops, Tensor, ParameterTuple
+from mindspore.common import dtype as mstype
+from mindspore.ops.primitive import _primexpr
+
+from ms_gradaccum._microbatch import check_loss_shape, micro_batch, split_batch
+from ms_gradaccum._validation import check_cell, check_has_trainable_params, check_positive_int
+
+# Names that mindspore.train.amp._is_grad_accumulation routes into _TrainGradAccuStepCell, whose optimizer
+# reads buffers that only the semi-auto-parallel compiler pass fills: outside that mode it trains nothing.
+_ROUTED_NAMES = frozenset({"GradAccumulationCell", "GradAccumulation"})
+_UNROUTED_NAME = "MicroBatchGradAccumulationCell"
+
+
+@_primexpr
+def _accumulation_dtype(dtype):
+    """Sum low-precision gradients in float32 so K micro-batches cannot overflow or lose the small terms."""
+    if dtype in (mstype.float16, mstype.bfloat16):
+        return mstype.float32
+    return dtype
+
+
+class _MicroBatchGradients(nn.Cell):
+    """Runs the micro-batches one after another and returns ``(mean loss, mean gradient per weight)``.
+
+    Its ``bprop`` returns zeros for the inputs, so an outer ``GradOperation`` treats it as opaque and does
+    not differentiate through the loop (which would recompute everything and hold every activation).
+    """
+
+    def __init__(self, network: nn.Cell, weights: ParameterTuple, micro_size: int):
+        super().__init__(auto_prefix=False)
+        self.network = network
+        self.weights = weights
+        self.micro_size = micro_size
+
+    def construct(self, inputs):
+        k = self.micro_size
+        split = split_batch(inputs, k)
+        sums = ()
+        for w in self.weights:
+            sums += (ops.zeros(w.shape, _accumulation_dtype(w.dtype)),)
+        loss_sum = Tensor(0.0, mstype.float32)
+        # A graph-mode while loop over a Tensor counter is compiled once, whatever k is, and runs the
+        # micro-batches strictly in turn, so micro-batch i's activations are freed before i + 1 starts.
+        i = Tensor(0, mstype.int32)
+        while i < k:
+            loss, grads = ms.value_and_grad(self.network, None, self.weights)(*micro_batch(split, i))
+            check_loss_shape(loss.shape)
+            loss_sum = loss_sum + ops.cast(loss, mstype.float32)
+            new_sums = ()
+            for total, grad in zip(sums, grads):
+                new_sums += (total + ops.cast(grad, total.dtype),)
+            sums = new_sums
+            i = i + 1
+        means = ()
+        for total, w in zip(sums, self.weights):
+            means += (ops.cast(total / k, w.dtype),)
+        return loss_sum / k, means
+
+    def bprop(self, inputs, out, dout):
+        zeros = ()
+        for x in inputs:
+            zeros += (ops.zeros_like(x),)
+        return (zeros,)
+
+
+class GradAccumulationCell(nn.Cell):
+    r"""
+    Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
+
+    Unlike :class:`mindspore.nn.GradAccumulationCell`, which only accumulates under semi-auto/auto parallel
+    (elsewhere ``Model`` routes it into a wrapper whose optimizer reads buffers nobody writes, so it silently
+    trains nothing), this cell computes the accumulated gradient itself: each batch is split along axis 0
+    into ``micro_size`` micro-batches inside the compiled graph; each runs forward and backward once, in turn;
+    their gradients are summed, and the wrapping ``nn.TrainOneStepCell`` (built by you or by ``Model``) sees
+    exactly the mean gradient, so the optimizer steps once per batch with the full-batch update.
+
+    How it plugs into an unmodified ``nn.TrainOneStepCell``: the cell returns
+    ``stop_gradient(loss) + (t - stop_gradient(t))`` with ``t = sum_p sum(stop_gradient(g_p) * p)``, whose
+    value is the mean micro-batch loss and whose gradient with respect to each weight ``p`` is exactly the
+    accumulated mean gradient ``g_p``. Gradient reduction across devices (data parallel) and loss scaling
+    therefore happen once per batch, in the wrapping cell, as for any other network.
+
+    Peak memory follows the micro-batch (plus the input batch and one gradient-sized accumulator), and the
+    loop over micro-batches is a graph-mode ``while`` loop, so compile time does not grow with ``micro_size``.
+
+    Equivalence with full-batch training holds when the loss is a mean over the batch and the network treats
+    samples independently. It does not hold for BatchNorm (statistics are per micro-batch, and moving
+    averages are updated ``micro_size`` times per step) or dropout (different random masks).
+
+    Args:
+        network (Cell): A cell returning a scalar loss, e.g. ``nn.WithLossCell(net, loss_fn)``, or any loss
+            cell taking one or more tensor inputs (data, label, sample weight, ...). Every input is split
+            along axis 0.
+        micro_size (int): The NUMBER of micro-batches each batch is split into (not the size of one; the name
+            is MindSpore's). The batch size of every input must be divisible by it.
+
+    Inputs:
+        - **\*inputs** (Tensor) - The inputs of `network`, all with the same batch size :math:`B` on axis 0,
+          :math:`B` divisible by `micro_size`.
+
+    Outputs:
+        Tensor, a float32 scalar: the mean of the micro-batch losses, i.e. the full-batch loss for a
+        mean-reduced loss. ``LossMonitor`` prints this number.
+
+    Raises:
+        TypeError: If `network` is not a Cell, or `micro_size` is not an int (bool included).
+        ValueError: If `micro_size` < 1, or `network` has no trainable parameter.
+        ValueError: At graph compile time, if an input has no batch axis, the inputs' batch sizes differ,
+            a batch size is not divisible by `micro_size`, or `network` returns a non-scalar loss.
+
+    Supported Platforms:
+        ``CPU``
+
+    Examples:
+        >>> import numpy as np
+        >>> import mindspore as ms
+        >>> from mindspore import nn
+        >>> from ms_gradaccum import GradAccumulationCell
+        >>> ms.set_context(mode=ms.GRAPH_MODE)
+        >>> net = nn.Dense(4, 2)
+        >>> loss_net = GradAccumulationCell(nn.WithLossCell(net, nn.MSELoss()), micro_size=4)
+        >>> train_step = nn.TrainOneStepCell(loss_net, nn.SGD(net.trainable_params(), 0.1))
+        >>> x = ms.Tensor(np.ones((8, 4), np.float32))
+        >>> y = ms.Tensor(np.zeros((8, 2), np.float32))
+        >>> loss = train_step(x, y)
+        >>> loss.shape
+        ()
+    """
+
+    def __init__(self, network: nn.Cell, micro_size: int):
+        check_cell(network, "network", "GradAccumulationCell")
+        check_positive_int(micro_size, "micro_size", "GradAccumulationCell")
+        weights = check_has_trainable_params(network, "network", "GradAccumulationCell")
+        super().__init__(auto_prefix=False)
+        self.network = network
+        self.micro_size = micro_size
+        self.weights = ParameterTuple(weights)
+        self.micro_batch_gradients = _MicroBatchGradients(network, self.weights, micro_size)
+
+    @property
+    def cls_name(self) -> str:
+        # mindspore.train.amp._is_grad_accumulation reads cls_name to pick Model's training wrapper.
+        # Under a routed name this cell would be handed to _TrainGradAccuStepCell and train nothing.
+        name = type(self).__name__
+        return _UNROUTED_NAME if name in _ROUTED_NAMES else name
+
+    def construct(self, *inputs):
+        loss, grads = self.micro_batch_gradients(inputs)
+        surrogate = Tensor(0.0, mstype.float32)
+        for grad, weight in zip(grads, self.weights):
+            # float32 so a sum over many low-precision weights cannot overflow and turn the loss into NaN.
+            surrogate = surrogate + ops.sum(ops.cast(ops.stop_gradient(grad), mstype.float32)
+                                            * ops.cast(weight, mstype.float32))
+        return ops.stop_gradient(loss) + (surrogate - ops.stop_gradient(surrogate))

@@ -1,0 +1,46 @@
+"""Argument checking with one message format for the whole package.
+
+Every message reads like MindSpore's own:
+``For 'GradAccumulationCell', the argument 'micro_size' must be a positive int, but got True (bool).``
+"""
+from typing import Any
+
+from mindspore import nn
+
+
+def describe(value: Any) -> str:
+    """Render a value and its type for an error message: ``True (bool)``."""
+    return f"{value!r} ({type(value).__name__})"
+
+
+def argument_error(cls_name: str, arg_name: str, expected: str, value: Any, hint: str = "") -> str:
+    """Build the message for an argument that is not what ``expected`` says."""
+    message = f"For '{cls_name}', the argument '{arg_name}' must be {expected}, but got {describe(value)}."
+    return f"{message} {hint}" if hint else message
+
+
+def check_positive_int(value: Any, arg_name: str, cls_name: str) -> int:
+    """Return ``value`` if it is an int >= 1; bool is rejected although it subclasses int."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(argument_error(cls_name, arg_name, "a positive int", value))
+    if value < 1:
+        raise ValueError(argument_error(cls_name, arg_name, "a positive int", value))
+    return value
+
+
+def check_cell(value: Any, arg_name: str, cls_name: str) -> nn.Cell:
+    """Return ``value`` if it is a ``mindspore.nn.Cell``."""
+    if not isinstance(value, nn.Cell):
+        raise TypeError(argument_error(cls_name, arg_name, "a mindspore.nn.Cell returning a scalar loss", value))
+    return value
+
+
+def check_has_trainable_params(network: nn.Cell, arg_name: str, cls_name: str) -> list:
+    """Return the trainable parameters of ``network``; none at all is an error, since nothing would train."""
+    params = network.trainable_params()
+    if not params:
+        raise ValueError(
+            f"For '{cls_name}', the argument '{arg_name}' must have trainable parameters, "
+            f"but {type(network).__name__} has none (all parameters have requires_grad=False, or there are none). "
+            f"Accumulating gradients of nothing would silently train nothing.")
+    return params
