@@ -21,6 +21,21 @@ def _accumulation_dtype(dtype):
     return dtype
 
 
+class _TupleInputs(nn.Cell):
+    """Calls ``network(*inputs)`` with the inputs packed in one tuple.
+
+    ``mindspore.value_and_grad`` rejects a network whose ``construct`` takes ``*inputs`` in graph mode
+    ("The parameters number of the function is 1 ..."); a fixed single argument works for any network.
+    """
+
+    def __init__(self, network: nn.Cell):
+        super().__init__(auto_prefix=False)
+        self.network = network
+
+    def construct(self, inputs):
+        return self.network(*inputs)
+
+
 class _MicroBatchGradients(nn.Cell):
     """Runs the micro-batches one after another and returns ``(mean loss, mean gradient per weight)``.
 
@@ -30,10 +45,13 @@ class _MicroBatchGradients(nn.Cell):
 
     def __init__(self, network: nn.Cell, weights: ParameterTuple, micro_size: int):
         super().__init__(auto_prefix=False)
-        self.network = network
+        self.loss_of_inputs = _TupleInputs(network)
         self.weights = weights
         self.micro_size = micro_size
 
+    # Compiled as a graph in PyNative mode too: there, a cell with a custom bprop runs its construct under
+    # no_grad, where eager gradients are refused, and an eager loop would not free memory per micro-batch.
+    @ms.jit
     def construct(self, inputs):
         k = self.micro_size
         split = split_batch(inputs, k)
@@ -45,7 +63,7 @@ class _MicroBatchGradients(nn.Cell):
         # micro-batches strictly in turn, so micro-batch i's activations are freed before i + 1 starts.
         i = Tensor(0, mstype.int32)
         while i < k:
-            loss, grads = ms.value_and_grad(self.network, None, self.weights)(*micro_batch(split, i))
+            loss, grads = ms.value_and_grad(self.loss_of_inputs, None, self.weights)(micro_batch(split, i))
             check_loss_shape(loss.shape)
             loss_sum = loss_sum + ops.cast(loss, mstype.float32)
             new_sums = ()
@@ -147,7 +165,7 @@ class GradAccumulationCell(nn.Cell):
         return _UNROUTED_NAME if name in _ROUTED_NAMES else name
 
     def construct(self, *inputs):
-        loss, grads = self.micro_batch_gradients(inputs)
+        loss, grads = self.micro_batch_gradients(ms.mutable(inputs))
         surrogate = Tensor(0.0, mstype.float32)
         for grad, weight in zip(grads, self.weights):
             # float32 so a sum over many low-precision weights cannot overflow and turn the loss into NaN.

@@ -1,0 +1,101 @@
+"""Shared networks, data, reference training and tolerance helpers for the tests."""
+from typing import Callable, Dict, List, Sequence
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn, Tensor
+
+Params = Dict[str, np.ndarray]
+
+
+def make_mlp(seed: int = 0, in_dim: int = 16, hidden: int = 32, classes: int = 4) -> nn.Cell:
+    """A small MLP whose weights depend only on ``seed`` (twins built with the same seed are identical)."""
+    net = nn.SequentialCell(nn.Dense(in_dim, hidden), nn.ReLU(), nn.Dense(hidden, hidden), nn.Tanh(),
+                            nn.Dense(hidden, classes))
+    return _seeded(net, seed)
+
+
+def make_convnet(seed: int = 0, classes: int = 4) -> nn.Cell:
+    """A small conv net for ``(N, 1, 8, 8)`` images: conv, pooling, flatten, dense."""
+    net = nn.SequentialCell(
+        nn.Conv2d(1, 4, 3, pad_mode="same", has_bias=True), nn.ReLU(), nn.MaxPool2d(2, 2),
+        nn.Conv2d(4, 8, 3, pad_mode="valid", has_bias=True), nn.ReLU(), nn.Flatten(), nn.Dense(8 * 2 * 2, classes))
+    return _seeded(net, seed)
+
+
+def _seeded(net: nn.Cell, seed: int) -> nn.Cell:
+    rng = np.random.RandomState(seed)
+    for param in net.trainable_params():
+        scale = 1.0 / np.sqrt(max(1, int(np.prod(param.shape[1:]))))
+        param.set_data(Tensor(rng.uniform(-scale, scale, param.shape).astype(np.float32)))
+    return net
+
+
+def classification_batches(steps: int, batch: int, in_shape: Sequence[int] = (16,), classes: int = 4,
+                           seed: int = 1) -> List[tuple]:
+    """``steps`` different batches of (float32 data, int32 labels)."""
+    rng = np.random.RandomState(seed)
+    return [(rng.randn(batch, *in_shape).astype(np.float32), rng.randint(0, classes, batch).astype(np.int32))
+            for _ in range(steps)]
+
+
+def params_of(net: nn.Cell) -> Params:
+    """Name -> numpy copy of every trainable parameter."""
+    return {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+
+
+def make_optimizer(name: str, params) -> nn.Optimizer:
+    """The optimizers the equivalence tests run: plain SGD, Momentum, Adam with weight decay."""
+    if name == "sgd":
+        return nn.SGD(params, learning_rate=0.1)
+    if name == "momentum":
+        return nn.Momentum(params, learning_rate=0.05, momentum=0.9)
+    if name == "adam":
+        return nn.Adam(params, learning_rate=0.01, weight_decay=0.01)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def train_steps(train_step: nn.Cell, batches: Sequence[tuple]) -> List[float]:
+    """Run one step per batch; return the losses the step cell returned."""
+    return [float(train_step(*(Tensor(a) for a in batch)).asnumpy()) for batch in batches]
+
+
+def reference_run(make_net: Callable[[], nn.Cell], loss_fn: nn.Cell, optimizer: str,
+                  batches: Sequence[tuple]) -> tuple:
+    """Full-batch training with a plain ``nn.TrainOneStepCell``: (final params, losses, initial params)."""
+    net = make_net()
+    initial = params_of(net)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), make_optimizer(optimizer, net.trainable_params()))
+    losses = train_steps(step, batches)
+    return params_of(net), losses, initial
+
+
+def assert_params_close(actual: Params, expected: Params, *, rtol: float, atol: float) -> None:
+    """Same names, same shapes, then values within tolerance; failures name the parameter."""
+    assert sorted(actual) == sorted(expected), f"parameter names differ: {sorted(actual)} vs {sorted(expected)}"
+    for name in expected:
+        assert actual[name].shape == expected[name].shape, \
+            f"{name}: shape {actual[name].shape} != {expected[name].shape}"
+    for name in expected:
+        np.testing.assert_allclose(actual[name], expected[name], rtol=rtol, atol=atol,
+                                   err_msg=f"parameter {name!r} differs from the reference")
+
+
+def assert_params_equal(actual: Params, expected: Params) -> None:
+    """Bit-exact comparison, with the parameter name in the failure message."""
+    assert_params_close(actual, expected, rtol=0.0, atol=0.0)
+
+
+def max_abs_diff(actual: Params, expected: Params) -> float:
+    return max(float(np.max(np.abs(actual[name] - expected[name]))) for name in expected)
+
+
+def assert_params_moved(after: Params, before: Params, *, min_change: float = 1e-4) -> None:
+    """Negative control: training must have changed every parameter, so equality is not vacuous."""
+    for name in before:
+        change = float(np.max(np.abs(after[name] - before[name])))
+        assert change > min_change, f"parameter {name!r} did not move (max change {change:g})"
+
+
+def set_graph_mode() -> None:
+    ms.set_context(mode=ms.GRAPH_MODE)
