@@ -149,7 +149,7 @@ class GradAccumulationCell(nn.Cell):
 
     def __init__(self, network: nn.Cell, micro_size: int):
         check_cell(network, "network", "GradAccumulationCell")
-        check_positive_int(micro_size, "micro_size", "GradAccumulationCell")
+        micro_size = check_positive_int(micro_size, "micro_size", "GradAccumulationCell")
         weights = check_has_trainable_params(network, "network", "GradAccumulationCell")
         super().__init__(auto_prefix=False)
         self.network = network

@@ -3,6 +3,7 @@
 Every message reads like MindSpore's own:
 ``For 'GradAccumulationCell', the argument 'micro_size' must be a positive int, but got True (bool).``
 """
+import numbers
 from typing import Any
 
 from mindspore import nn
@@ -20,12 +21,12 @@ def argument_error(cls_name: str, arg_name: str, expected: str, value: Any, hint
 
 
 def check_positive_int(value: Any, arg_name: str, cls_name: str) -> int:
-    """Return ``value`` if it is an int >= 1; bool is rejected although it subclasses int."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """Return ``value`` as an int if it is an integer >= 1 (numpy integers too); bool is not an int here."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(argument_error(cls_name, arg_name, "a positive int", value))
     if value < 1:
         raise ValueError(argument_error(cls_name, arg_name, "a positive int", value))
-    return value
+    return int(value)
 
 
 def check_cell(value: Any, arg_name: str, cls_name: str) -> nn.Cell:

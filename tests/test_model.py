@@ -1,0 +1,122 @@
+"""GradAccumulationCell under ms.Model: routing, LossMonitor, dataset sink, checkpoints."""
+import os
+import re
+
+import numpy as np
+import mindspore as ms
+import mindspore.dataset as ds
+import pytest
+from mindspore import nn
+from mindspore.train import Callback, CheckpointConfig, LossMonitor, Model, ModelCheckpoint
+from mindspore.train.amp import _is_grad_accumulation
+
+from ms_gradaccum import GradAccumulationCell
+from helpers import (assert_params_close, assert_params_moved, classification_batches, make_mlp,
+                     make_optimizer, params_of)
+
+BATCH = 32
+STEPS = 4
+
+
+def _dataset(steps=STEPS, batch=BATCH):
+    samples = [(x[i], y[i]) for x, y in classification_batches(steps, batch) for i in range(batch)]
+
+    def rows():
+        for x, y in samples:
+            yield np.asarray(x), np.asarray(y)
+    return ds.GeneratorDataset(rows, column_names=["data", "label"], shuffle=False).batch(batch, drop_remainder=True)
+
+
+def _loss_fn():
+    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+
+
+class _RecordLoss(Callback):
+    """Records what Model hands to callbacks as the step's loss (what LossMonitor prints)."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_step_end(self, run_context):
+        self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
+
+
+def _train_with_model(loss_network, net, optimizer="momentum", sink=False, callbacks=()):
+    record = _RecordLoss()
+    model = Model(loss_network, optimizer=make_optimizer(optimizer, net.trainable_params()))
+    model.train(1, _dataset(), callbacks=[record, *callbacks], dataset_sink_mode=sink)
+    return model, record.losses
+
+
+def test_model_routes_cell_into_plain_train_one_step_cell():
+    # mindspore.train.amp routes cells *named* GradAccumulationCell into _TrainGradAccuStepCell.
+    cell = GradAccumulationCell(nn.WithLossCell(make_mlp(), _loss_fn()), 4)
+    assert type(cell).__name__ == "GradAccumulationCell"
+    assert not _is_grad_accumulation(cell)
+    assert _is_grad_accumulation(nn.GradAccumulationCell(nn.WithLossCell(make_mlp(), _loss_fn()), 4))
+
+    model = Model(cell, optimizer=make_optimizer("sgd", cell.trainable_params()))
+    assert type(model._train_network) is nn.TrainOneStepCell  # pylint: disable=protected-access
+
+
+def test_model_subclass_named_like_mindspore_cell_still_trains():
+    class GradAccumulation(GradAccumulationCell):  # the other routed name
+        pass
+    assert not _is_grad_accumulation(GradAccumulation(nn.WithLossCell(make_mlp(), _loss_fn()), 2))
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_model_train_matches_reference_and_loss_monitor_prints_full_batch_loss(sink, capsys):
+    ref_net = make_mlp()
+    initial = params_of(ref_net)
+    _, expected_losses = _train_with_model(nn.WithLossCell(ref_net, _loss_fn()), ref_net, sink=sink)
+
+    net = make_mlp()
+    cell = GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), 4)
+    capsys.readouterr()
+    _, losses = _train_with_model(cell, net, sink=sink, callbacks=[LossMonitor(1)])
+    printed = [float(v) for v in re.findall(r"loss is ([-0-9.e]+)", capsys.readouterr().out)]
+
+    assert_params_moved(params_of(ref_net), initial)
+    assert_params_close(params_of(net), params_of(ref_net), rtol=1e-5, atol=1e-6)
+    assert len(losses) == len(printed) == STEPS
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    np.testing.assert_allclose(printed, expected_losses, rtol=1e-4)
+
+
+def test_model_mindspore_own_cell_trains_nothing_outside_parallel():
+    # The trap this package exists to avoid, kept as a control: if MindSpore ever fixes it, this tells us.
+    net = make_mlp()
+    initial = params_of(net)
+    mindspore_cell = nn.GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), 4)
+    _, losses = _train_with_model(mindspore_cell, net, optimizer="sgd")
+    for name, value in params_of(net).items():
+        np.testing.assert_array_equal(value, initial[name], err_msg=name)
+    ref_net = make_mlp()
+    _, full_batch_losses = _train_with_model(nn.WithLossCell(ref_net, _loss_fn()), ref_net, optimizer="sgd")
+    # It reports the SUM of the 4 micro-batch losses of untrained weights.
+    assert losses[0] == pytest.approx(4 * full_batch_losses[0], rel=1e-4)
+
+
+def test_model_checkpoint_loads_into_bare_network_without_accumulation_state(tmp_path):
+    net = make_mlp()
+    cell = GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), 4)
+    checkpoint = ModelCheckpoint(prefix="mlp", directory=str(tmp_path),
+                                 config=CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=10))
+    _train_with_model(cell, net, optimizer="adam", callbacks=[checkpoint])
+
+    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".ckpt"))
+    assert files == ["mlp-1_2.ckpt", "mlp-1_4.ckpt"]
+    saved = ms.load_checkpoint(str(tmp_path / files[-1]))
+
+    # Nothing but the network's weights and the optimizer's own state: no accumulation buffers.
+    optimizer_state = {k for k in saved if k.startswith(("moment1.", "moment2.")) or k in
+                       {"global_step", "beta1_power", "beta2_power", "learning_rate", "weight_decay"}}
+    assert set(saved) - optimizer_state == set(params_of(net)), sorted(saved)
+    assert not [k for k in saved if "accu" in k]
+
+    bare = make_mlp(seed=123)
+    param_not_loaded, _ = ms.load_param_into_net(bare, saved)
+    assert param_not_loaded == []
+    assert_params_close(params_of(bare), params_of(net), rtol=0, atol=0)

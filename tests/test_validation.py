@@ -1,0 +1,112 @@
+"""Every bad argument gets a clear error naming the argument, the value and what is expected."""
+import re
+
+import numpy as np
+import pytest
+from mindspore import nn, Tensor
+
+from ms_gradaccum import GradAccumulationCell
+from helpers import make_mlp
+
+
+def _loss_net():
+    return nn.WithLossCell(make_mlp(), nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+
+
+@pytest.mark.parametrize("micro_size, error, message", [
+    (True, TypeError, "the argument 'micro_size' must be a positive int, but got True (bool)"),
+    (2.0, TypeError, "the argument 'micro_size' must be a positive int, but got 2.0 (float)"),
+    ("4", TypeError, "the argument 'micro_size' must be a positive int, but got '4' (str)"),
+    (None, TypeError, "the argument 'micro_size' must be a positive int, but got None (NoneType)"),
+    (np.bool_(True), TypeError, "the argument 'micro_size' must be a positive int, but got"),
+    (0, ValueError, "the argument 'micro_size' must be a positive int, but got 0 (int)"),
+    (-2, ValueError, "the argument 'micro_size' must be a positive int, but got -2 (int)"),
+])
+def test_validation_micro_size_rejected(micro_size, error, message):
+    with pytest.raises(error, match=re.escape("For 'GradAccumulationCell', " + message)):
+        GradAccumulationCell(_loss_net(), micro_size)
+
+
+@pytest.mark.parametrize("network, message", [
+    (None, "the argument 'network' must be a mindspore.nn.Cell returning a scalar loss, but got None (NoneType)"),
+    (lambda x, y: x, "the argument 'network' must be a mindspore.nn.Cell returning a scalar loss, but got <function"),
+    ("net", "the argument 'network' must be a mindspore.nn.Cell returning a scalar loss, but got 'net' (str)"),
+])
+def test_validation_network_not_a_cell_rejected(network, message):
+    with pytest.raises(TypeError, match=re.escape("For 'GradAccumulationCell', " + message)):
+        GradAccumulationCell(network, 2)
+
+
+def test_validation_network_without_trainable_parameters_rejected():
+    frozen = _loss_net()
+    for param in frozen.trainable_params():
+        param.requires_grad = False
+    with pytest.raises(ValueError, match=r"'network' must have trainable parameters, but WithLossCell has none"):
+        GradAccumulationCell(frozen, 2)
+    with pytest.raises(ValueError, match=r"'network' must have trainable parameters, but ReLU has none"):
+        GradAccumulationCell(nn.ReLU(), 2)
+
+
+def test_validation_numpy_integer_micro_size_accepted():
+    cell = GradAccumulationCell(_loss_net(), np.int64(4))
+    assert cell.micro_size == 4 and type(cell.micro_size) is int
+
+
+def _data(batch, classes=4):
+    rng = np.random.RandomState(0)
+    return Tensor(rng.randn(batch, 16).astype(np.float32)), Tensor(rng.randint(0, classes, batch).astype(np.int32))
+
+
+def test_validation_batch_not_divisible_rejected_with_fix():
+    cell = GradAccumulationCell(_loss_net(), 4)
+    x, y = _data(30)
+    expected = ("For 'GradAccumulationCell', the batch size of input 0 (shape (30, 16)) must be divisible by "
+                "micro_size=4, but 30 % 4 = 2. Rows are never dropped: either batch the dataset with "
+                "drop_remainder=True and a batch size divisible by 4, or choose a micro_size that divides 30")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        cell(x, y)
+
+
+def test_validation_batch_sizes_differ_rejected():
+    cell = GradAccumulationCell(_loss_net(), 2)
+    x, _ = _data(8)
+    _, y = _data(6)
+    expected = ("all inputs must have the same batch size (axis 0) to be split together, "
+                "but input 0 has shape (8, 16) and input 1 has shape (6,)")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        cell(x, y)
+
+
+class _PerSampleLoss(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.net = make_mlp()
+        self.ce = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="none")
+
+    def construct(self, x, y):
+        return self.ce(self.net(x), y)
+
+
+def test_validation_non_scalar_loss_rejected():
+    cell = GradAccumulationCell(_PerSampleLoss(), 2)
+    x, y = _data(8)
+    expected = ("the argument 'network' must return a scalar loss (shape ()), but it returned shape (4,). "
+                "Reduce the loss inside the network, e.g. with reduction='mean'")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        cell(x, y)
+
+
+class _ScalarInputLoss(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.net = make_mlp()
+
+    def construct(self, x, scale):
+        return self.net(x).mean() * scale
+
+
+def test_validation_input_without_batch_axis_rejected():
+    cell = GradAccumulationCell(_ScalarInputLoss(), 2)
+    x, _ = _data(8)
+    with pytest.raises(ValueError, match=re.escape("input 1 has shape () but every input must have a batch axis 0")):
+        cell(x, Tensor(np.float32(2.0)))

@@ -1,0 +1,40 @@
+"""Trains two steps of an activation-heavy MLP in a fresh process, for a parent test to measure.
+
+Usage: python train_probe.py {plain|accumulate|mindspore} MICRO_SIZE BATCH
+- plain: nn.TrainOneStepCell on the full batch; accumulate: ms_gradaccum.GradAccumulationCell;
+  mindspore: MindSpore's own nn.GradAccumulationCell inside nn.TrainOneStepCell (a Python-unrolled loop).
+- With MS_DEV_RUNTIME_CONF="memory_statistics:True" MindSpore prints "peak used mem:NNNM" at exit.
+- With MS_DEV_SAVE_GRAPHS=1 and MS_DEV_SAVE_GRAPHS_PATH=DIR it writes the compiled graphs' IR into DIR.
+"""
+import sys
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn, Tensor
+
+from ms_gradaccum import GradAccumulationCell
+
+
+def main(kind: str, micro_size: int, batch: int) -> None:
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_seed(0)
+    rng = np.random.RandomState(0)
+    x = Tensor(rng.randn(batch, 64).astype(np.float32))
+    y = Tensor(rng.randint(0, 10, batch).astype(np.int32))
+    net = nn.SequentialCell(nn.Dense(64, 512), nn.ReLU(), nn.Dense(512, 512), nn.ReLU(),
+                            nn.Dense(512, 512), nn.ReLU(), nn.Dense(512, 10))
+    loss_net = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+    if kind == "accumulate":
+        loss_net = GradAccumulationCell(loss_net, micro_size)
+    elif kind == "mindspore":
+        loss_net = nn.GradAccumulationCell(loss_net, micro_size)
+    elif kind != "plain":
+        raise SystemExit(f"unknown kind {kind!r}: expected 'plain', 'accumulate' or 'mindspore'")
+    step = nn.TrainOneStepCell(loss_net, nn.SGD(net.trainable_params(), 0.01))
+    for _ in range(2):
+        loss = step(x, y).asnumpy()
+    print(f"loss {float(loss):.6f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
