@@ -1,0 +1,51 @@
+"""The sample trains end to end on the built-in dataset, through the same ds.MnistDataset path as MNIST."""
+import os
+import re
+import struct
+import subprocess
+import sys
+
+from probe import REPO
+
+SAMPLE = os.path.join(REPO, "sample_code", "distributed_gradient_accumulation")
+sys.path.insert(0, SAMPLE)
+from builtin_digits import FILES, ensure_digits_mnist  # noqa: E402
+
+
+def test_sample_builtin_dataset_is_written_once_in_idx_format(tmp_path):
+    directory = ensure_digits_mnist(str(tmp_path / "digits"))
+    sizes = {}
+    for split, (image_file, label_file) in FILES.items():
+        with open(os.path.join(directory, image_file), "rb") as handle:
+            magic, count, rows, cols = struct.unpack(">IIII", handle.read(16))
+            pixels = handle.read()
+        with open(os.path.join(directory, label_file), "rb") as handle:
+            label_magic, label_count = struct.unpack(">II", handle.read(8))
+            labels = handle.read()
+        assert (magic, label_magic, rows, cols) == (2051, 2049, 28, 28)
+        assert count == label_count == len(labels) and len(pixels) == count * 28 * 28
+        assert set(labels) == set(range(10))
+        sizes[split] = count
+    assert sizes == {"train": 1437, "test": 360}  # all 1,797 digits, 80/20
+    stamp = os.path.getmtime(os.path.join(directory, FILES["train"][0]))
+    assert ensure_digits_mnist(directory) == directory
+    assert os.path.getmtime(os.path.join(directory, FILES["train"][0])) == stamp
+
+
+def test_sample_trains_on_builtin_dataset(tmp_path):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), GLOG_v="3",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    env.pop("DATA_PATH", None)
+    done = subprocess.run([sys.executable, os.path.join(SAMPLE, "train.py"), "--epochs", "2", "--max-steps", "20",
+                           "--loss-every", "10"], env=env, capture_output=True, text=True, timeout=300, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "mode stand_alone, 1 rank(s)" in output
+    assert os.path.isdir(os.path.join(str(tmp_path), "ms_gradaccum", "digits_mnist"))
+    losses = [float(v) for v in re.findall(r"epoch: \d+ step: \d+, loss is ([0-9.e-]+)", output)]
+    assert len(losses) == 4, output[-3000:]
+    final = re.search(r"final loss ([0-9.]+) test accuracy ([0-9.]+) \(360 images\)", output)
+    assert final, output[-3000:]
+    assert losses[-1] < losses[0]
+    # 40 SGD steps of batch 32 on real digits: well above the 10% of guessing, far from converged.
+    assert float(final.group(2)) > 0.3
