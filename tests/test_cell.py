@@ -13,8 +13,9 @@ from helpers import (assert_params_close, assert_params_equal, assert_params_mov
 STEPS = 3
 BATCH = 32
 # fp32 summation order differs from the full batch; Adam divides by sqrt(v) and so magnifies it most.
+# Measured differences are below 1e-7 for all three (README); the margins allow for other BLAS kernels.
 TOLERANCE = {"sgd": dict(rtol=1e-5, atol=1e-6), "momentum": dict(rtol=1e-5, atol=1e-6),
-             "adam": dict(rtol=1e-4, atol=5e-5)}
+             "adam": dict(rtol=1e-5, atol=1e-5)}
 
 
 def _loss_fn():

@@ -7,6 +7,7 @@ Usage: python train_probe.py {plain|accumulate|mindspore} MICRO_SIZE BATCH
 - With MS_DEV_SAVE_GRAPHS=1 and MS_DEV_SAVE_GRAPHS_PATH=DIR it writes the compiled graphs' IR into DIR.
 """
 import sys
+import time
 
 import numpy as np
 import mindspore as ms
@@ -31,9 +32,14 @@ def main(kind: str, micro_size: int, batch: int) -> None:
     elif kind != "plain":
         raise SystemExit(f"unknown kind {kind!r}: expected 'plain', 'accumulate' or 'mindspore'")
     step = nn.TrainOneStepCell(loss_net, nn.SGD(net.trainable_params(), 0.01))
-    for _ in range(2):
-        loss = step(x, y).asnumpy()
-    print(f"loss {float(loss):.6f}", flush=True)
+    start = time.perf_counter()
+    step(x, y).asnumpy()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    loss = step(x, y).asnumpy()
+    steady = time.perf_counter() - start
+    # first step = graph compilation + one step; the second step alone is the steady cost.
+    print(f"loss {float(loss):.6f} first_step_s {first:.3f} steady_step_s {steady:.3f}", flush=True)
 
 
 if __name__ == "__main__":
