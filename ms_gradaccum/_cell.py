@@ -3,6 +3,7 @@ import mindspore as ms
 from mindspore import nn, ops, Tensor, ParameterTuple
 from mindspore.common import dtype as mstype
 from mindspore.ops.primitive import _primexpr
+from mindspore.parallel.nn import GradAccumulation as _ParallelPassGradAccumulation
 
 from ms_gradaccum._microbatch import check_loss_shape, micro_batch, split_batch
 from ms_gradaccum._validation import check_cell, check_has_trainable_params, check_positive_int
@@ -11,6 +12,13 @@ from ms_gradaccum._validation import check_cell, check_has_trainable_params, che
 # reads buffers that only the semi-auto-parallel compiler pass fills: outside that mode it trains nothing.
 _ROUTED_NAMES = frozenset({"GradAccumulationCell", "GradAccumulation"})
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
+# In these modes the routing is MindSpore's real mechanism, and the cell hands the work to it.
+_PARALLEL_PASS_MODES = frozenset({ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.ParallelMode.AUTO_PARALLEL})
+
+
+def _parallel_pass_mode() -> bool:
+    """True when the semi-auto/auto-parallel compiler pass does the accumulation (Ascend/GPU only)."""
+    return ms.get_auto_parallel_context("parallel_mode") in _PARALLEL_PASS_MODES
 
 
 @_primexpr
@@ -100,6 +108,13 @@ class GradAccumulationCell(nn.Cell):
     accumulated mean gradient ``g_p``. Gradient reduction across devices (data parallel) and loss scaling
     therefore happen once per batch, in the wrapping cell, as for any other network.
 
+    Under ``SEMI_AUTO_PARALLEL`` and ``AUTO_PARALLEL`` (Ascend/GPU) the cell instead presents itself to
+    MindSpore's own parallel pipeline: it wraps :class:`mindspore.parallel.nn.GradAccumulation` (which marks
+    the micro-batch slices and the end of each micro-batch's forward), ``Model`` routes it into MindSpore's
+    accumulating train cell, and the parallel pass accumulates into ``accu_grads`` buffers that the parallel
+    optimizer shards. The output is still the mean loss. The parallel mode in force when the cell is
+    created decides which mechanism it uses.
+
     Peak memory follows the micro-batch (plus the input batch and one gradient-sized accumulator), and the
     loop over micro-batches is a graph-mode ``while`` loop, so compile time does not grow with ``micro_size``.
 
@@ -155,16 +170,29 @@ class GradAccumulationCell(nn.Cell):
         self.network = network
         self.micro_size = micro_size
         self.weights = ParameterTuple(weights)
-        self.micro_batch_gradients = _MicroBatchGradients(network, self.weights, micro_size)
+        self.parallel_pass = _parallel_pass_mode()
+        if self.parallel_pass:
+            # MindSpore's _TrainGradAccuStepCell reads `micro_size` from this cell and scales the gradient
+            # by 1 / micro_size, so construct must hand it the gradient of the SUM of micro-batch losses.
+            self.parallel_accumulation = _ParallelPassGradAccumulation(network, micro_size)
+        else:
+            self.micro_batch_gradients = _MicroBatchGradients(network, self.weights, micro_size)
 
     @property
     def cls_name(self) -> str:
         # mindspore.train.amp._is_grad_accumulation reads cls_name to pick Model's training wrapper.
         # Under a routed name this cell would be handed to _TrainGradAccuStepCell and train nothing.
+        # In the parallel-pass modes that routing is wanted (and the wrapped MindSpore cell triggers it anyway).
+        if getattr(self, "parallel_pass", False):
+            return "GradAccumulationCell"
         name = type(self).__name__
         return _UNROUTED_NAME if name in _ROUTED_NAMES else name
 
     def construct(self, *inputs):
+        if self.parallel_pass:
+            total = self.parallel_accumulation(*inputs)
+            # Value: the mean loss (what LossMonitor shows); gradient: that of the sum, as MindSpore expects.
+            return ops.stop_gradient(total / self.micro_size) + (total - ops.stop_gradient(total))
         loss, grads = self.micro_batch_gradients(ms.mutable(inputs))
         surrogate = Tensor(0.0, mstype.float32)
         for grad, weight in zip(grads, self.weights):

@@ -1,0 +1,76 @@
+"""How the cell presents itself to MindSpore in each parallel mode (checked on CPU, where
+SEMI_AUTO_PARALLEL/AUTO_PARALLEL cannot compile): routing, markers and the loss/gradient contract."""
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import nn, Tensor
+from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell
+from mindspore.train.amp import _is_grad_accumulation
+
+from ms_gradaccum import GradAccumulationCell
+from helpers import classification_batches, make_mlp
+
+K = 4
+
+
+@pytest.fixture(autouse=True)
+def reset_parallel_context():
+    yield
+    ms.reset_auto_parallel_context()
+
+
+def _loss_net():
+    return nn.WithLossCell(make_mlp(), nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+
+
+def _primitives(cell, prim_name):
+    found = []
+    for _, sub in cell.cells_and_names():
+        for value in list(vars(sub).values()) + list(getattr(sub, "add_list", [])):
+            if isinstance(value, ms.ops.Primitive) and value.name == prim_name and value not in found:
+                found.append(value)
+    return found
+
+
+@pytest.mark.parametrize("mode", [ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.ParallelMode.AUTO_PARALLEL])
+def test_parallel_modes_semi_auto_routes_into_mindspore_accumulation_with_markers(mode):
+    ms.set_auto_parallel_context(parallel_mode=mode, enable_parallel_optimizer=True)
+    cell = GradAccumulationCell(_loss_net(), K)
+
+    assert _is_grad_accumulation(cell) and cell.cls_name == "GradAccumulationCell"
+    slices = _primitives(cell, "StridedSlice")
+    assert len(slices) == K and all(p.attrs["grad_accu_num"] == K for p in slices)
+    ends = [p.attrs["forward_end"] for p in _primitives(cell, "Add") if "forward_end" in p.attrs]
+    assert sorted(ends) == list(range(K))
+
+    model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1))
+    train_network = model._train_network  # pylint: disable=protected-access
+    assert type(train_network) is _TrainGradAccuStepCell
+    assert train_network.sens == pytest.approx(1.0 / K)  # read from the cell's micro_size
+    assert train_network.opt_shard  # the parallel optimizer will shard the accumulation buffers
+
+
+@pytest.mark.parametrize("mode", [ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL])
+def test_parallel_modes_stand_alone_and_data_parallel_are_not_routed(mode):
+    ms.set_auto_parallel_context(parallel_mode=mode)
+    cell = GradAccumulationCell(_loss_net(), K)
+    assert not _is_grad_accumulation(cell)
+    assert not _primitives(cell, "StridedSlice")
+
+
+def test_parallel_modes_semi_auto_output_is_mean_loss_with_gradient_of_sum():
+    # _TrainGradAccuStepCell multiplies the gradient by 1/micro_size, so the cell must return the mean loss
+    # (for LossMonitor) whose gradient is that of the SUM. The graph is built under semi-auto and, since
+    # that cannot compile on CPU, evaluated stand-alone (the markers are inert there).
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    cell = GradAccumulationCell(_loss_net(), K)
+    ms.reset_auto_parallel_context()
+    reference = _loss_net()
+
+    x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
+    loss, grads = ms.value_and_grad(cell, None, cell.trainable_params())(x, y)
+    ref_loss, ref_grads = ms.value_and_grad(reference, None, reference.trainable_params())(x, y)
+
+    np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy(), rtol=1e-6)
+    for grad, ref_grad in zip(grads, ref_grads):
+        np.testing.assert_allclose(grad.asnumpy() / K, ref_grad.asnumpy(), rtol=1e-5, atol=1e-7)
