@@ -1,0 +1,126 @@
+"""One rank of the 2-process data-parallel tests, started by msrun (see tests/launch.py).
+
+Usage: python dp_worker.py OUT_DIR {train|graphs} {data_parallel|stand_alone}
+- train: trains the test MLP for 3 steps through ms.Model (dataset sharded with num_shards/shard_id) and
+  through a hand-written nn.TrainOneStepCell loop, and saves, per rank, the batches it consumed, the
+  losses and the parameters before and after, in OUT_DIR/rank_<r>.npz.
+- graphs: compiles one step of plain training, GradAccumulationCell at micro_size 2 and 8, and (control)
+  a network that all-reduces inside its forward, saving each graph's IR under OUT_DIR/graphs/<name>.
+"""
+import os
+import sys
+
+import numpy as np
+import mindspore as ms
+import mindspore.dataset as ds
+from mindspore import nn, ops, Tensor
+from mindspore.communication import get_group_size, get_rank, init
+from mindspore.train import Callback, Model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import classification_batches, make_mlp, make_optimizer, params_of  # noqa: E402
+from ms_gradaccum import GradAccumulationCell  # noqa: E402
+
+STEPS, BATCH, MICRO_SIZE = 3, 16, 4  # per-rank batch
+
+
+def _loss_fn():
+    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+
+
+class _Record(Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_step_end(self, run_context):
+        self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
+
+
+class _Rows:
+    """Random-access source (GeneratorDataset shards only those): every row of the global batches."""
+
+    def __init__(self, group: int):
+        self.rows = [(x[i], y[i]) for x, y in classification_batches(STEPS, BATCH * group)
+                     for i in range(BATCH * group)]
+
+    def __getitem__(self, index):
+        return np.asarray(self.rows[index][0]), np.asarray(self.rows[index][1])
+
+    def __len__(self):
+        return len(self.rows)
+
+
+def train(out_dir: str, rank: int, group: int) -> None:
+    dataset = ds.GeneratorDataset(_Rows(group), ["data", "label"], shuffle=False, num_shards=group, shard_id=rank)
+    dataset = dataset.batch(BATCH, drop_remainder=True)
+    model_batches = [(x.asnumpy(), y.asnumpy()) for x, y in dataset.create_tuple_iterator(num_epochs=1)]
+
+    net = make_mlp()
+    initial = params_of(net)
+    record = _Record()
+    model = Model(GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), MICRO_SIZE),
+                  optimizer=make_optimizer("momentum", net.trainable_params()))
+    model.train(1, dataset, callbacks=[record], dataset_sink_mode=False)
+
+    # The hand-written loop takes this rank's contiguous slice of each global batch.
+    loop_batches = [(x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH])
+                    for x, y in classification_batches(STEPS, BATCH * group, seed=7)]
+    loop_net = make_mlp()
+    step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(loop_net, _loss_fn()), MICRO_SIZE),
+                               make_optimizer("adam", loop_net.trainable_params()))
+    loop_losses = [float(step(Tensor(x), Tensor(y)).asnumpy()) for x, y in loop_batches]
+
+    arrays = {"model_losses": np.array(record.losses), "loop_losses": np.array(loop_losses)}
+    for prefix, batches in (("model", model_batches), ("loop", loop_batches)):
+        arrays[f"{prefix}_x"] = np.stack([x for x, _ in batches])
+        arrays[f"{prefix}_y"] = np.stack([y for _, y in batches])
+    for prefix, values in (("initial", initial), ("model_param", params_of(net)), ("loop_param", params_of(loop_net))):
+        arrays.update({f"{prefix}:{name}": value for name, value in values.items()})
+    np.savez(os.path.join(out_dir, f"rank_{rank}.npz"), **arrays)
+
+
+class _AllReduceInForward(nn.Cell):
+    """Control: a loss network that communicates inside its forward (so inside the micro-batch loop)."""
+
+    def __init__(self, loss_net):
+        super().__init__(auto_prefix=False)
+        self.loss_net = loss_net
+        self.all_reduce = ops.AllReduce()
+
+    def construct(self, x, y):
+        return self.loss_net(self.all_reduce(x), y)
+
+
+def graphs(out_dir: str) -> None:
+    x, y = (Tensor(a) for a in classification_batches(1, BATCH)[0])
+    configs = {
+        "plain": lambda loss_net: loss_net,
+        "micro_2": lambda loss_net: GradAccumulationCell(loss_net, 2),
+        "micro_8": lambda loss_net: GradAccumulationCell(loss_net, 8),
+        "control_micro_2": lambda loss_net: GradAccumulationCell(_AllReduceInForward(loss_net), 2),
+    }
+    for name, wrap in configs.items():
+        ms.set_context(save_graphs=1, save_graphs_path=os.path.join(out_dir, "graphs", name))
+        net = make_mlp()
+        step = nn.TrainOneStepCell(wrap(nn.WithLossCell(net, _loss_fn())), make_optimizer("sgd", net.trainable_params()))
+        step(x, y).asnumpy()
+
+
+def main(out_dir: str, task: str, mode: str) -> None:
+    ms.set_context(mode=ms.GRAPH_MODE)
+    init()
+    if mode == "data_parallel":
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    elif mode != "stand_alone":
+        raise SystemExit(f"unknown mode {mode!r}")
+    if task == "train":
+        train(out_dir, get_rank(), get_group_size())
+    elif task == "graphs":
+        graphs(out_dir)
+    else:
+        raise SystemExit(f"unknown task {task!r}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
