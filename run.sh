@@ -92,6 +92,9 @@ done
 if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
   [ "$status" -eq 124 ] && echo "run.sh: the job did not finish within ${run_timeout}s and was stopped." >&2
   echo "run.sh: FAILED ($launcher exit status $status). Logs: $log_dir/" >&2
+  # The launcher's and scheduler's own account (e.g. "Worker process N exit with exception. Error code: -9").
+  grep -h "ERROR" "$log_dir/$launcher.log" "$log_dir/scheduler.log" 2>/dev/null \
+    | sed -E 's/^\[ERROR\] [^ ]+ \[[^]]*\] ?//' | tail -n 6 >&2 || true
   for ((rank = 0; rank < workers; rank++)); do
     log="$(rank_log "$rank")"
     if [ ! -f "$log" ] || ! grep -q "final loss" "$log"; then
