@@ -68,7 +68,7 @@ case "$launcher" in
     export MS_WORKER_NUM="$workers" MS_SCHED_HOST=127.0.0.1 MS_SCHED_PORT="$port"
     MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" "$@" >"$log_dir/scheduler.log" 2>&1 &
     scheduler=$!
-    timeout --kill-after=10 "$run_timeout" mpirun --allow-run-as-root --oversubscribe -n "$workers" \
+    timeout --kill-after=10 "$run_timeout" mpirun --allow-run-as-root --oversubscribe --bind-to none -n "$workers" \
       --output-filename "$log_dir" --merge-stderr-to-stdout \
       -x MS_WORKER_NUM -x MS_SCHED_HOST -x MS_SCHED_PORT -x DATA_PATH -x GLOG_v -x MS_NODE_TIMEOUT \
       bash -c 'export MS_ROLE=MS_WORKER MS_NODE_ID="$OMPI_COMM_WORLD_RANK" RANK_ID="$OMPI_COMM_WORLD_RANK"; exec "$0" "$@"' \
@@ -92,8 +92,9 @@ done
 if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
   [ "$status" -eq 124 ] && echo "run.sh: the job did not finish within ${run_timeout}s and was stopped." >&2
   echo "run.sh: FAILED ($launcher exit status $status). Logs: $log_dir/" >&2
-  # The launcher's and scheduler's own account (e.g. "Worker process N exit with exception. Error code: -9").
-  grep -h "ERROR" "$log_dir/$launcher.log" "$log_dir/scheduler.log" 2>/dev/null \
+  # The launcher's and scheduler's own account: msrun's "Worker process N exit with exception. Error code: -9",
+  # mpirun's "mpirun noticed that process rank N ... exited on signal 9", the scheduler's timed-out nodes.
+  grep -hE "ERROR|noticed that|exited on signal" "$log_dir/$launcher.log" "$log_dir/scheduler.log" 2>/dev/null \
     | sed -E 's/^\[ERROR\] [^ ]+ \[[^]]*\] ?//' | tail -n 6 >&2 || true
   for ((rank = 0; rank < workers; rank++)); do
     log="$(rank_log "$rank")"
