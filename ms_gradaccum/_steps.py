@@ -1,0 +1,158 @@
+"""AccumulatingTrainOneStepCell: accumulation across dataset steps, one optimizer step every N calls."""
+from typing import Optional
+
+import mindspore as ms
+from mindspore import nn, ops
+from mindspore.common import dtype as mstype
+
+from ms_gradaccum import _buffers
+from ms_gradaccum._cell import _TupleInputs
+from ms_gradaccum._validation import (argument_error, check_cell, check_has_trainable_params,
+                                      check_positive_int)
+
+_NAME = "AccumulatingTrainOneStepCell"
+
+
+class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
+    r"""
+    A drop-in for ``nn.TrainOneStepCell`` that steps the optimizer once every `accumulate_steps` calls.
+
+    Each call runs forward and backward once on the given batch and adds the gradients into
+    parameter-shaped buffers (``accu_grads.<weight>``). When the window is complete the optimizer receives
+    the mean gradient of the window's batches, the gradients cross devices (data parallel) once, and the
+    buffers are cleared. So `accumulate_steps` calls with batch b give the update of one full-batch step
+    with batch ``accumulate_steps * b``. Between optimizer steps the weights do not change at all.
+
+    Unlike :class:`GradAccumulationCell` (which splits ONE batch into micro-batches inside the graph), this
+    accumulates over consecutive dataset batches: use it when even one batch of the target size does not fit.
+
+    Windows and epochs: with `steps_per_epoch` set (the :class:`GradAccumulationScheduler` callback sets it
+    from ``Model``'s dataset), the last window of an epoch closes at the epoch's last batch even when it is
+    short, and it is weighted by its true number of batches (the mean over the batches it holds, not the sum
+    divided by `accumulate_steps`); an epoch shorter than `accumulate_steps` still trains, once. Without it,
+    windows run across epoch boundaries, and a partial window at the end of training stays pending until
+    :meth:`flush` applies it.
+
+    The optimizer's own step counter, and so its learning-rate schedule, advances once per optimizer step.
+    The returned loss is the current batch's loss (what ``LossMonitor`` prints); the mean loss of the last
+    completed window is :attr:`last_window_loss`. The buffers and the window position (``accu_state.*``) are
+    parameters: checkpoints carry them, and a run resumed from a checkpoint taken mid-window ends with the
+    same weights as an uninterrupted one.
+
+    Args:
+        network (Cell): A cell returning a scalar loss, e.g. ``nn.WithLossCell(net, loss_fn)``.
+        optimizer (nn.Optimizer): The optimizer for the network's weights.
+        accumulate_steps (int): Number of calls (batches) per optimizer step; 1 behaves like
+            ``nn.TrainOneStepCell``. Changeable between calls with :meth:`set_accumulate_steps`, no recompiling.
+        steps_per_epoch (int, optional): Batches per epoch, to close the last window of each epoch.
+            Default: ``None`` (windows span epochs).
+
+    Inputs:
+        - **\*inputs** (Tensor) - The inputs of `network`.
+
+    Outputs:
+        Tensor, the loss of this call's batch.
+
+    Raises:
+        TypeError: If `network` is not a Cell, `optimizer` not an ``nn.Optimizer``, or `accumulate_steps` /
+            `steps_per_epoch` not an int (bool included).
+        ValueError: If `accumulate_steps` or `steps_per_epoch` < 1, or `network` has no trainable parameter.
+
+    Supported Platforms:
+        ``CPU``
+
+    Examples:
+        >>> import numpy as np
+        >>> import mindspore as ms
+        >>> from mindspore import nn
+        >>> from ms_gradaccum import AccumulatingTrainOneStepCell
+        >>> ms.set_context(mode=ms.GRAPH_MODE)
+        >>> net = nn.Dense(4, 2)
+        >>> step = AccumulatingTrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()),
+        ...                                     nn.SGD(net.trainable_params(), 0.1), accumulate_steps=2)
+        >>> x, y = ms.Tensor(np.ones((8, 4), np.float32)), ms.Tensor(np.zeros((8, 2), np.float32))
+        >>> before = net.weight.asnumpy().copy()
+        >>> _ = step(x, y)            # gradients accumulated, weights unchanged
+        >>> bool((net.weight.asnumpy() == before).all()), step.pending_batches
+        (True, 1)
+        >>> _ = step(x, y)            # window complete: one optimizer step
+        >>> bool((net.weight.asnumpy() == before).all()), step.pending_batches
+        (False, 0)
+    """
+
+    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int,
+                 steps_per_epoch: Optional[int] = None):
+        check_cell(network, "network", _NAME)
+        if not isinstance(optimizer, nn.Optimizer):
+            raise TypeError(argument_error(_NAME, "optimizer", "a mindspore.nn.Optimizer", optimizer))
+        accumulate_steps = check_positive_int(accumulate_steps, "accumulate_steps", _NAME)
+        if steps_per_epoch is not None:
+            steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
+        check_has_trainable_params(network, "network", _NAME)
+        super().__init__(network, optimizer)
+        self.loss_of_inputs = _TupleInputs(network)
+        self.grad_sums = _buffers.gradient_buffers(self.weights)
+        self.window_position = _buffers.state_scalar("window_position", 0)
+        self.epoch_position = _buffers.state_scalar("epoch_position", 0)
+        self.accumulate_steps = _buffers.state_scalar("accumulate_steps", accumulate_steps)
+        self.steps_per_epoch = _buffers.state_scalar("steps_per_epoch", steps_per_epoch or 0)
+        self.window_loss_sum = _buffers.state_scalar("window_loss_sum", 0.0, mstype.float32)
+        self.window_loss = _buffers.state_scalar("last_window_loss", float("nan"), mstype.float32)
+        self.hyper_map = ops.HyperMap()
+
+    def construct(self, *inputs):
+        loss, grads = ms.value_and_grad(self.loss_of_inputs, None, self.weights)(inputs)
+        loss = ops.depend(loss, _buffers.add_into(self.hyper_map, self.grad_sums, grads))
+        loss = ops.depend(loss, ops.assign_add(self.window_loss_sum, ops.cast(loss, mstype.float32)))
+        loss = ops.depend(loss, ops.assign_add(self.window_position, ops.ones((), mstype.int32)))
+        loss = ops.depend(loss, ops.assign_add(self.epoch_position, ops.ones((), mstype.int32)))
+        epoch_end = ops.logical_and(self.steps_per_epoch > 0, self.epoch_position >= self.steps_per_epoch)
+        if epoch_end:
+            loss = ops.depend(loss, ops.assign(self.epoch_position, ops.zeros((), mstype.int32)))
+        if ops.logical_or(self.window_position >= self.accumulate_steps, epoch_end):
+            loss = ops.depend(loss, self._apply_window())
+        return loss
+
+    def _apply_window(self):
+        """Optimizer step with the window's mean gradient, reduced across devices once; then reset."""
+        count = self.window_position
+        mean = _buffers.mean_of(self.hyper_map, self.grad_sums, count, self.weights)
+        mean = self.grad_reducer(mean)
+        # A scalar that exists only once the optimizer has run: resets depend on it, so they come after.
+        done = ops.depend(ops.zeros((), mstype.int32), self.optimizer(mean))
+        done = ops.depend(done, ops.assign(self.window_loss, self.window_loss_sum / ops.cast(count, mstype.float32)))
+        done = ops.depend(done, _buffers.clear(self.hyper_map, self.grad_sums, done))
+        done = ops.depend(done, ops.assign(self.window_loss_sum, ops.cast(done, mstype.float32)))
+        done = ops.depend(done, ops.assign(self.window_position, done))
+        return done
+
+    @ms.jit
+    def _flush_graph(self):
+        return self._apply_window()
+
+    def flush(self) -> bool:
+        """Apply a pending partial window now (e.g. at the end of a hand-written loop); True if there was one."""
+        if self.pending_batches == 0:
+            return False
+        self._flush_graph()
+        return True
+
+    @property
+    def pending_batches(self) -> int:
+        """Batches accumulated since the last optimizer step."""
+        return int(self.window_position.asnumpy())
+
+    @property
+    def last_window_loss(self) -> float:
+        """Mean loss over the batches of the last completed window (NaN before the first optimizer step)."""
+        return float(self.window_loss.asnumpy())
+
+    def set_accumulate_steps(self, accumulate_steps: int) -> None:
+        """Change the window length between calls; takes effect from the next call, without recompiling."""
+        value = check_positive_int(accumulate_steps, "accumulate_steps", _NAME)
+        self.accumulate_steps.set_data(ms.Tensor(value, mstype.int32))
+
+    def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
+        """Declare the epoch length, so the last window of each epoch is closed at its last batch."""
+        value = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
+        self.steps_per_epoch.set_data(ms.Tensor(value, mstype.int32))
