@@ -1,7 +1,8 @@
 """Gradient accumulation for MindSpore that trains the full-batch update on micro-batch memory."""
 from ms_gradaccum._cell import GradAccumulationCell as GradAccumulationCell
+from ms_gradaccum._scheduler import GradAccumulationScheduler as GradAccumulationScheduler
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell as AccumulatingTrainOneStepCell
 
 __version__ = "0.1.0"
 
-__all__ = ["AccumulatingTrainOneStepCell", "GradAccumulationCell", "__version__"]
+__all__ = ["AccumulatingTrainOneStepCell", "GradAccumulationCell", "GradAccumulationScheduler", "__version__"]

@@ -1,0 +1,91 @@
+"""GradAccumulationScheduler: change accumulate_steps at epoch boundaries, like Lightning's callback."""
+from typing import Dict
+
+from mindspore import nn
+from mindspore.train import Callback
+
+from ms_gradaccum._steps import AccumulatingTrainOneStepCell
+from ms_gradaccum._validation import argument_error, describe
+
+_NAME = "GradAccumulationScheduler"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class GradAccumulationScheduler(Callback):
+    r"""
+    A ``mindspore.train`` callback that sets an :class:`AccumulatingTrainOneStepCell`'s `accumulate_steps`
+    at the start of each epoch, following `scheduling`, without recompiling.
+
+    It also tells the cell how many batches an epoch has (``Model``'s dataset size), so the last window of
+    every epoch is closed at the epoch's last batch and a new schedule value always starts a fresh window.
+
+    Args:
+        scheduling (dict): ``{epoch: accumulate_steps}`` with zero-based epoch keys (int >= 0) and values
+            (int >= 1); a value holds from its epoch until the next key. As in Lightning, when epoch 0 is
+            missing the epochs before the first key use 1 (no accumulation). The dict is copied, never
+            modified.
+
+    Raises:
+        TypeError: If `scheduling` is not a dict, or a key or value is not an int (bool included).
+        ValueError: If `scheduling` is empty, a key < 0 or a value < 1.
+        TypeError: At the start of training, if ``Model``'s train network contains no
+            :class:`AccumulatingTrainOneStepCell`.
+
+    Examples:
+        >>> from ms_gradaccum import GradAccumulationScheduler
+        >>> scheduler = GradAccumulationScheduler({0: 8, 4: 4, 8: 1})
+        >>> [scheduler.accumulate_steps_for(epoch) for epoch in range(10)]
+        [8, 8, 8, 8, 4, 4, 4, 4, 1, 1]
+    """
+
+    def __init__(self, scheduling: Dict[int, int]):
+        super().__init__()
+        if not isinstance(scheduling, dict):
+            raise TypeError(argument_error(_NAME, "scheduling", "a dict {epoch: accumulate_steps}", scheduling))
+        if not scheduling:
+            raise ValueError(argument_error(_NAME, "scheduling", "a non-empty dict {epoch: accumulate_steps}",
+                                            scheduling))
+        for epoch, steps in scheduling.items():
+            if not _is_int(epoch):
+                raise TypeError(f"For '{_NAME}', every key of 'scheduling' must be a zero-based epoch (int >= 0), "
+                                f"but got {describe(epoch)}.")
+            if epoch < 0:
+                raise ValueError(f"For '{_NAME}', every key of 'scheduling' must be a zero-based epoch (int >= 0), "
+                                 f"but got {describe(epoch)}.")
+            if not _is_int(steps):
+                raise TypeError(f"For '{_NAME}', the accumulate_steps of epoch {epoch} in 'scheduling' must be an "
+                                f"int >= 1, but got {describe(steps)}.")
+            if steps < 1:
+                raise ValueError(f"For '{_NAME}', the accumulate_steps of epoch {epoch} in 'scheduling' must be "
+                                 f"an int >= 1, but got {describe(steps)}.")
+        schedule = dict(sorted(scheduling.items()))
+        if 0 not in schedule:
+            schedule = {0: 1, **schedule}
+        self.scheduling = schedule
+        self._cell = None
+
+    def accumulate_steps_for(self, epoch: int) -> int:
+        """accumulate_steps in force during zero-based `epoch`."""
+        return [steps for start, steps in self.scheduling.items() if start <= epoch][-1]
+
+    def on_train_begin(self, run_context):
+        params = run_context.original_args()
+        self._cell = _find_accumulating_cell(params.train_network)
+        self._cell.set_steps_per_epoch(params.batch_num)
+
+    def on_train_epoch_begin(self, run_context):
+        # cur_epoch_num is one-based and already counts the epoch that is starting.
+        epoch = run_context.original_args().cur_epoch_num - 1
+        self._cell.set_accumulate_steps(self.accumulate_steps_for(epoch))
+
+
+def _find_accumulating_cell(network: nn.Cell) -> AccumulatingTrainOneStepCell:
+    for _, cell in network.cells_and_names():
+        if isinstance(cell, AccumulatingTrainOneStepCell):
+            return cell
+    raise TypeError(f"For '{_NAME}', Model's train network must be or contain an AccumulatingTrainOneStepCell, but "
+                    f"got {type(network).__name__}. Build it as Model(AccumulatingTrainOneStepCell(loss_net, "
+                    f"optimizer, accumulate_steps)) without the optimizer argument.")
