@@ -2,10 +2,12 @@
 
 Usage: python dp_worker.py OUT_DIR {train|graphs} {data_parallel|stand_alone}
 - train: trains the test MLP for 3 steps through ms.Model (dataset sharded with num_shards/shard_id) and
-  through a hand-written nn.TrainOneStepCell loop, and saves, per rank, the batches it consumed, the
+  through a hand-written nn.TrainOneStepCell loop, and with AccumulatingTrainOneStepCell over consecutive
+  smaller batches, and saves, per rank, the batches it consumed, the
   losses and the parameters before and after, in OUT_DIR/rank_<r>.npz.
-- graphs: compiles one step of plain training, GradAccumulationCell at micro_size 2 and 8, and (control)
-  a network that all-reduces inside its forward, saving each graph's IR under OUT_DIR/graphs/<name>.
+- graphs: compiles one step of plain training, GradAccumulationCell at micro_size 2 and 8, (control)
+  a network that all-reduces inside its forward, and AccumulatingTrainOneStepCell with 4 steps per window,
+  saving each graph's IR under OUT_DIR/graphs/<name>.
 """
 import os
 import sys
@@ -19,7 +21,7 @@ from mindspore.train import Callback, Model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import classification_batches, make_mlp, make_optimizer, params_of  # noqa: E402
-from ms_gradaccum import GradAccumulationCell  # noqa: E402
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # noqa: E402
 
 STEPS, BATCH, MICRO_SIZE = 3, 16, 4  # per-rank batch
 
@@ -71,11 +73,21 @@ def train(out_dir: str, rank: int, group: int) -> None:
                                make_optimizer("adam", loop_net.trainable_params()))
     loop_losses = [float(step(Tensor(x), Tensor(y)).asnumpy()) for x, y in loop_batches]
 
-    arrays = {"model_losses": np.array(record.losses), "loop_losses": np.array(loop_losses)}
-    for prefix, batches in (("model", model_batches), ("loop", loop_batches)):
+    # AccumulatingTrainOneStepCell: windows of MICRO_SIZE consecutive per-rank batches of BATCH // MICRO_SIZE.
+    small = BATCH // MICRO_SIZE
+    steps_batches = [(x[i:i + small], y[i:i + small]) for x, y in loop_batches for i in range(0, BATCH, small)]
+    steps_net = make_mlp()
+    steps_cell = AccumulatingTrainOneStepCell(nn.WithLossCell(steps_net, _loss_fn()),
+                                              make_optimizer("momentum", steps_net.trainable_params()), MICRO_SIZE)
+    steps_losses = [float(steps_cell(Tensor(x), Tensor(y)).asnumpy()) for x, y in steps_batches]
+
+    arrays = {"model_losses": np.array(record.losses), "loop_losses": np.array(loop_losses),
+              "steps_losses": np.array(steps_losses)}
+    for prefix, batches in (("model", model_batches), ("loop", loop_batches), ("steps", steps_batches)):
         arrays[f"{prefix}_x"] = np.stack([x for x, _ in batches])
         arrays[f"{prefix}_y"] = np.stack([y for _, y in batches])
-    for prefix, values in (("initial", initial), ("model_param", params_of(net)), ("loop_param", params_of(loop_net))):
+    for prefix, values in (("initial", initial), ("model_param", params_of(net)), ("loop_param", params_of(loop_net)),
+                           ("steps_param", params_of(steps_net))):
         arrays.update({f"{prefix}:{name}": value for name, value in values.items()})
     np.savez(os.path.join(out_dir, f"rank_{rank}.npz"), **arrays)
 
@@ -105,6 +117,10 @@ def graphs(out_dir: str) -> None:
         net = make_mlp()
         step = nn.TrainOneStepCell(wrap(nn.WithLossCell(net, _loss_fn())), make_optimizer("sgd", net.trainable_params()))
         step(x, y).asnumpy()
+    ms.set_context(save_graphs=1, save_graphs_path=os.path.join(out_dir, "graphs", "steps_4"))
+    net = make_mlp()
+    step = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _loss_fn()), make_optimizer("sgd", net.trainable_params()), 4)
+    step(x, y).asnumpy()
 
 
 def main(out_dir: str, task: str, mode: str) -> None:

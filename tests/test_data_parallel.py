@@ -51,7 +51,7 @@ def _single_process_reference(ranks, prefix, optimizer):
     return params_of(net), losses
 
 
-@pytest.mark.parametrize("path", ["model", "loop"])
+@pytest.mark.parametrize("path", ["model", "loop", "steps"])
 def test_data_parallel_ranks_are_bit_identical(data_parallel, path):
     rank0, rank1 = (_params(r, f"{path}_param") for r in data_parallel)
     assert_params_close(rank1, rank0, rtol=0, atol=0)
@@ -67,6 +67,21 @@ def test_data_parallel_matches_single_process_on_global_batch(data_parallel, pat
     # Each rank reports its own shard's mean loss; their mean is the global batch's loss.
     rank_mean = np.mean([r[f"{path}_losses"] for r in data_parallel], axis=0)
     np.testing.assert_allclose(rank_mean, expected_losses, rtol=1e-5)
+
+
+def test_data_parallel_accumulating_steps_match_single_process_on_global_window(data_parallel):
+    # Each window: 4 consecutive batches on each of 2 ranks = one global batch of all 8, in one process.
+    per_rank = [(r["steps_x"], r["steps_y"]) for r in data_parallel]
+    windows = len(per_rank[0][0]) // 4
+    global_batches = [(np.concatenate([xs[w * 4:(w + 1) * 4].reshape(-1, xs.shape[-1]) for xs, _ in per_rank]),
+                       np.concatenate([ys[w * 4:(w + 1) * 4].reshape(-1) for _, ys in per_rank]))
+                      for w in range(windows)]
+    net = make_mlp()
+    loss_net = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+    train_steps(nn.TrainOneStepCell(loss_net, make_optimizer("momentum", net.trainable_params())), global_batches)
+    actual = _params(data_parallel[0], "steps_param")
+    assert_params_moved(actual, _params(data_parallel[0], "initial"))
+    assert_params_close(actual, params_of(net), rtol=1e-5, atol=1e-6)
 
 
 def test_data_parallel_without_data_parallel_mode_ranks_diverge(stand_alone):
@@ -97,3 +112,5 @@ def test_data_parallel_all_reduces_per_step_do_not_grow_with_micro_size(tmp_path
     assert _all_reduce_counts(out, "micro_8") == plain
     # Control: a collective inside the loop (here in the forward) shows up in the count.
     assert _all_reduce_counts(out, "control_micro_2") == [7] * RANKS
+    # AccumulatingTrainOneStepCell: the reducer sits only in the window-closing branch, once per weight.
+    assert _all_reduce_counts(out, "steps_4") == plain
