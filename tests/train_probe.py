@@ -1,8 +1,10 @@
 """Trains two steps of an activation-heavy MLP in a fresh process, for a parent test to measure.
 
-Usage: python train_probe.py {plain|accumulate|mindspore} MICRO_SIZE BATCH
+Usage: python train_probe.py {plain|accumulate|mindspore|steps} MICRO_SIZE BATCH
 - plain: nn.TrainOneStepCell on the full batch; accumulate: ms_gradaccum.GradAccumulationCell;
-  mindspore: MindSpore's own nn.GradAccumulationCell inside nn.TrainOneStepCell (a Python-unrolled loop).
+  mindspore: MindSpore's own nn.GradAccumulationCell inside nn.TrainOneStepCell (a Python-unrolled loop);
+  steps: ms_gradaccum.AccumulatingTrainOneStepCell with accumulate_steps=MICRO_SIZE, on batches of BATCH.
+- Prints the loss, the first step's time (compilation included) and the median of 5 steady steps.
 - With MS_DEV_RUNTIME_CONF="memory_statistics:True" MindSpore prints "peak used mem:NNNM" at exit.
 - With MS_DEV_SAVE_GRAPHS=1 and MS_DEV_SAVE_GRAPHS_PATH=DIR it writes the compiled graphs' IR into DIR.
 """
@@ -13,7 +15,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, Tensor
 
-from ms_gradaccum import GradAccumulationCell
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
 
 
 def main(kind: str, micro_size: int, batch: int) -> None:
@@ -29,16 +31,23 @@ def main(kind: str, micro_size: int, batch: int) -> None:
         loss_net = GradAccumulationCell(loss_net, micro_size)
     elif kind == "mindspore":
         loss_net = nn.GradAccumulationCell(loss_net, micro_size)
-    elif kind != "plain":
-        raise SystemExit(f"unknown kind {kind!r}: expected 'plain', 'accumulate' or 'mindspore'")
-    step = nn.TrainOneStepCell(loss_net, nn.SGD(net.trainable_params(), 0.01))
+    elif kind not in ("plain", "steps"):
+        raise SystemExit(f"unknown kind {kind!r}: expected 'plain', 'accumulate', 'mindspore' or 'steps'")
+    optimizer = nn.SGD(net.trainable_params(), 0.01)
+    if kind == "steps":
+        step = AccumulatingTrainOneStepCell(loss_net, optimizer, micro_size)
+    else:
+        step = nn.TrainOneStepCell(loss_net, optimizer)
     start = time.perf_counter()
     step(x, y).asnumpy()
     first = time.perf_counter() - start
-    start = time.perf_counter()
-    loss = step(x, y).asnumpy()
-    steady = time.perf_counter() - start
-    # first step = graph compilation + one step; the second step alone is the steady cost.
+    steady_steps = []
+    for _ in range(5):
+        start = time.perf_counter()
+        loss = step(x, y).asnumpy()
+        steady_steps.append(time.perf_counter() - start)
+    steady = sorted(steady_steps)[2]
+    # first step = graph compilation + one step; the median of the next 5 is the steady cost.
     print(f"loss {float(loss):.6f} first_step_s {first:.3f} steady_step_s {steady:.3f}", flush=True)
 
 
