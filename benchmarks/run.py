@@ -1,0 +1,231 @@
+"""Side-by-side benchmark: memory, speed and compile time of gradient accumulation and its alternatives.
+
+    python benchmarks/run.py            # full run: MLP and conv net, writes docs/benchmark.{json,md} + plots
+    python benchmarks/run.py --quick    # under 3 minutes on 2 cores: MLP only, fewer configurations
+
+Every configuration runs in its own process (benchmarks/worker.py) so peaks do not mix; one "step" is
+one optimizer update over the same total batch. Ratios are to plain full-batch nn.TrainOneStepCell of the
+same model, measured in the same run. PyTorch (torch==2.13.0, CPU) is optional: skipped, saying so, if
+it is not installed.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+FULL = {"mlp": dict(batch=16384, micro_sizes=[1, 2, 4, 8, 16, 32], mindspore=[2, 8, 32], steps=5),
+        "conv": dict(batch=512, micro_sizes=[1, 2, 4, 8, 16, 32], mindspore=[2, 8, 32], steps=3)}
+QUICK = {"mlp": dict(batch=4096, micro_sizes=[1, 8, 32], mindspore=[8], steps=3)}
+FLOOR_K = 8  # the plain one-micro-batch run is the memory floor for micro_size 8
+
+
+def configurations(spec: Dict, with_torch: bool) -> List[tuple]:
+    """(framework, kind, micro_size, batch) for one model."""
+    batch = spec["batch"]
+    configs = [("mindspore", "plain", 1, batch), ("mindspore", "plain", 1, batch // FLOOR_K)]
+    configs += [("mindspore", "accumulate", k, batch) for k in spec["micro_sizes"]]
+    configs += [("mindspore", "mindspore", k, batch) for k in spec["mindspore"]]
+    configs += [("mindspore", "steps", FLOOR_K, batch)]
+    if with_torch:
+        configs += [("torch", "plain", 1, batch), ("torch", "accumulate", FLOOR_K, batch),
+                    ("torch", "plain", 1, batch // FLOOR_K)]
+    return configs
+
+
+def run_one(framework: str, model: str, kind: str, micro_size: int, batch: int, steps: int,
+            timeout: float) -> Optional[dict]:
+    env = dict(os.environ, GLOG_v="3", MS_DEV_RUNTIME_CONF="memory_statistics:True",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, os.path.join(HERE, "worker.py"), framework, model, kind, str(micro_size), str(batch),
+               str(steps)]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        print(f"  {framework} {model} {kind} K={micro_size}: timed out after {timeout:.0f}s", file=sys.stderr)
+        return None
+    output = done.stdout + done.stderr
+    found = re.search(r"^BENCH (\{.*\})$", output, re.M)
+    if done.returncode != 0 or not found:
+        print(f"  {framework} {model} {kind} K={micro_size} failed ({done.returncode}):\n{output[-1500:]}",
+              file=sys.stderr)
+        return None
+    result = json.loads(found.group(1))
+    peaks = [int(v) for v in re.findall(r"peak used mem:(\d+)M", output)]
+    result["pool_peak_mb"] = max(peaks) if peaks else None
+    return result
+
+
+def label(row: dict) -> str:
+    if row["framework"] == "torch":
+        return "PyTorch loop, micro-batch only" if row["batch"] < row["full_batch"] else \
+            ("PyTorch full batch" if row["kind"] == "plain" else f"PyTorch accumulation loop K={row['micro_size']}")
+    return {"plain": "plain full batch" if row["batch"] == row["full_batch"] else "plain, one micro-batch (floor)",
+            "accumulate": f"GradAccumulationCell K={row['micro_size']}",
+            "mindspore": f"nn.GradAccumulationCell K={row['micro_size']} (unrolled)",
+            "steps": f"AccumulatingTrainOneStepCell steps={row['micro_size']}"}[row["kind"]]
+
+
+def add_ratios(rows: List[dict]) -> None:
+    """Ratios to the same framework's plain full-batch run of the same model."""
+    for row in rows:
+        base = next((r for r in rows if r["framework"] == row["framework"] and r["model"] == row["model"]
+                     and r["kind"] == "plain" and r["batch"] == r["full_batch"]), None)
+        if base is None:
+            continue
+        for key in ("pool_peak_mb", "rss_growth_mb", "steady_step_s", "first_step_s"):
+            if row.get(key) is not None and base.get(key):
+                row[f"{key}_ratio"] = row[key] / base[key]
+
+
+def table(rows: List[dict]) -> str:
+    head = ("| model | configuration | pool peak MB | x full | RSS growth MB | x full | step s | x full | "
+            "samples/s | first step s |")
+    lines = [head, "|" + "---|" * head.count("|")[:-1] if False else "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def fmt(key, pattern="{:.2f}"):
+            return pattern.format(r[key]) if r.get(key) is not None else "-"
+        lines.append(f"| {r['model']} | {label(r)} | {fmt('pool_peak_mb', '{:.0f}')} | {fmt('pool_peak_mb_ratio')} | "
+                     f"{fmt('rss_growth_mb', '{:.0f}')} | {fmt('rss_growth_mb_ratio')} | {fmt('steady_step_s', '{:.3f}')} | "
+                     f"{fmt('steady_step_s_ratio')} | {fmt('samples_per_s', '{:.0f}')} | {fmt('first_step_s')} |")
+    return "\n".join(lines)
+
+
+def targets(rows: List[dict]) -> List[str]:
+    """The issue's targets, each with the measured figure and whether it is met."""
+    out = []
+    for model in sorted({r["model"] for r in rows}):
+        ms_rows = [r for r in rows if r["model"] == model and r["framework"] == "mindspore"]
+        get = lambda kind, k=None, floor=False: next(  # noqa: E731
+            (r for r in ms_rows if r["kind"] == kind and (k is None or r["micro_size"] == k)
+             and (r["batch"] < r["full_batch"]) == floor), None)
+        full, floor, k1, k8, k32 = get("plain"), get("plain", floor=True), get("accumulate", 1), get("accumulate", 8), \
+            get("accumulate", 32)
+        if full and floor and k8 and k8.get("pool_peak_mb") and floor.get("pool_peak_mb"):
+            bound = 1.25 * (k8["input_mb"] + floor["pool_peak_mb"])
+            out.append(f"{model}: K=8 pool peak {k8['pool_peak_mb']} MB vs 1.25 x (input {k8['input_mb']:.1f} + "
+                       f"floor {floor['pool_peak_mb']}) = {bound:.1f} MB -> {'met' if k8['pool_peak_mb'] <= bound else 'MISSED'}"
+                       f" ({k8['pool_peak_mb'] / (bound / 1.25):.2f}x); {full['pool_peak_mb'] / k8['pool_peak_mb']:.1f}x "
+                       f"below full batch")
+            out.append(f"{model}: K=8 RSS growth {k8['rss_growth_mb']:.0f} MB vs 2 x floor's {floor['rss_growth_mb']:.0f} "
+                       f"MB -> {'met' if k8['rss_growth_mb'] <= 2 * floor['rss_growth_mb'] else 'MISSED'} "
+                       f"({k8['rss_growth_mb'] / floor['rss_growth_mb']:.2f}x)")
+        if full:
+            ratios = [(r["micro_size"], r["steady_step_s"] / full["steady_step_s"]) for r in ms_rows
+                      if r["kind"] == "accumulate" and 2 <= r["micro_size"] <= 16]
+            if ratios:
+                worst = max(ratio for _, ratio in ratios)
+                out.append(f"{model}: step time K=2..16 vs full batch: " + ", ".join(f"K={k} {v:.2f}x" for k, v in ratios)
+                           + f" -> {'met' if worst <= 1.10 else 'MISSED'} (target <= 1.10x)")
+        if k1 and k32:
+            ratio = k32["first_step_s"] / k1["first_step_s"]
+            out.append(f"{model}: first step (compile) K=32 {k32['first_step_s']:.2f} s vs K=1 {k1['first_step_s']:.2f} s = "
+                       f"{ratio:.2f}x -> {'met' if ratio <= 1.5 else 'MISSED'} (target <= 1.5x)")
+        torch_full = next((r for r in rows if r["model"] == model and r["framework"] == "torch" and r["kind"] == "plain"
+                           and r["batch"] == r["full_batch"]), None)
+        torch_k8 = next((r for r in rows if r["model"] == model and r["framework"] == "torch" and r["kind"] == "accumulate"),
+                        None)
+        if torch_full and torch_k8 and full and k8:
+            torch_ratio = torch_full["rss_growth_mb"] / torch_k8["rss_growth_mb"]
+            ours_pool = full["pool_peak_mb"] / k8["pool_peak_mb"]
+            ours_rss = full["rss_growth_mb"] / k8["rss_growth_mb"]
+            out.append(f"{model}: memory reduction full/K=8: PyTorch {torch_ratio:.2f}x (RSS growth); ours "
+                       f"{ours_pool:.2f}x (pool peak), {ours_rss:.2f}x (RSS growth) -> "
+                       f"{'met' if ours_pool >= torch_ratio else 'MISSED'} on the pool peak, "
+                       f"{'met' if ours_rss >= torch_ratio else 'MISSED'} on RSS growth")
+    return out
+
+
+def plot(rows: List[dict], out_dir: str) -> List[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for model in sorted({r["model"] for r in rows}):
+        mine = sorted((r for r in rows if r["model"] == model and r["kind"] == "accumulate"
+                       and r["framework"] == "mindspore"), key=lambda r: r["micro_size"])
+        theirs = sorted((r for r in rows if r["model"] == model and r["kind"] == "mindspore"), key=lambda r: r["micro_size"])
+        full = next((r for r in rows if r["model"] == model and r["framework"] == "mindspore" and r["kind"] == "plain"
+                     and r["batch"] == r["full_batch"]), None)
+        floor = next((r for r in rows if r["model"] == model and r["framework"] == "mindspore" and r["kind"] == "plain"
+                      and r["batch"] < r["full_batch"]), None)
+        figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+        panels = [("pool_peak_mb", "MindSpore pool peak (MB)"), ("steady_step_s", "steady step time (s)"),
+                  ("first_step_s", "first step = compile + step (s)")]
+        for axis, (key, title) in zip(axes, panels):
+            axis.plot([r["micro_size"] for r in mine], [r[key] for r in mine], "o-", label="ms_gradaccum.GradAccumulationCell")
+            if theirs:
+                axis.plot([r["micro_size"] for r in theirs], [r[key] for r in theirs], "s--",
+                          label="nn.GradAccumulationCell in TrainOneStepCell (unrolled)")
+            if full:
+                axis.axhline(full[key], color="gray", linestyle=":", label="plain full batch")
+            if floor and key == "pool_peak_mb":
+                axis.axhline(floor[key], color="green", linestyle=":", label=f"plain, one micro-batch (K={FLOOR_K})")
+            axis.set_xscale("log", base=2)
+            axis.set_xlabel("micro_size (number of micro-batches)")
+            axis.set_title(title)
+            axis.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        batch = full["batch"] if full else "?"
+        figure.suptitle(f"{model}: total batch {batch}, {platform.machine()} CPU, {os.cpu_count()} cores")
+        figure.tight_layout()
+        path = os.path.join(out_dir, f"benchmark_{model}.png")
+        figure.savefig(path, dpi=90)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="MLP only, fewer configurations (< 3 min on 2 cores)")
+    parser.add_argument("--out", default="", help="output folder (default: docs/, or bench_quick/ with --quick)")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    out_dir = args.out or os.path.join(REPO, "bench_quick" if args.quick else "docs")
+    os.makedirs(out_dir, exist_ok=True)
+    with_torch = importlib.util.find_spec("torch") is not None
+    if not with_torch:
+        print("PyTorch is not installed: its rows are skipped (pip install torch==2.13.0 to include them).")
+    specs = QUICK if args.quick else FULL
+    started = time.perf_counter()
+    rows = []
+    for model, spec in specs.items():
+        for framework, kind, micro_size, batch in configurations(spec, with_torch):
+            print(f"running {framework} {model} {kind} K={micro_size} batch={batch} ...", flush=True)
+            row = run_one(framework, model, kind, micro_size, batch, spec["steps"], timeout=600)
+            if row is not None:
+                row["full_batch"] = spec["batch"]
+                rows.append(row)
+    add_ratios(rows)
+    report = table(rows)
+    checks = targets(rows)
+    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, Python {platform.python_version()}"
+    print("\n" + report + "\n\nTargets:\n" + "\n".join("- " + line for line in checks))
+    with open(os.path.join(out_dir, "benchmark.json"), "w", encoding="utf-8") as handle:
+        json.dump({"machine": machine, "quick": args.quick, "rows": rows, "targets": checks}, handle, indent=1)
+    with open(os.path.join(out_dir, "benchmark.md"), "w", encoding="utf-8") as handle:
+        handle.write(f"Measured on {machine}, {'quick' if args.quick else 'full'} mode.\n\n{report}\n\n"
+                     + "\n".join("- " + line for line in checks) + "\n")
+    if not args.no_plots:
+        for path in plot(rows, out_dir):
+            print(f"plot: {path}")
+    print(f"results: {out_dir}/benchmark.json, {out_dir}/benchmark.md ({time.perf_counter() - started:.0f} s)")
+    expected = sum(len(configurations(spec, with_torch)) for spec in specs.values())
+    if len(rows) != expected:
+        print(f"{expected - len(rows)} configuration(s) failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

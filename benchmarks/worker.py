@@ -1,0 +1,121 @@
+"""One benchmark configuration in a fresh process; prints one line ``BENCH {json}`` for benchmarks/run.py.
+
+Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
+  FRAMEWORK  mindspore | torch
+  MODEL      mlp | conv
+  KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
+             | mindspore (nn.GradAccumulationCell inside nn.TrainOneStepCell) | steps
+             (AccumulatingTrainOneStepCell, MICRO_SIZE calls of BATCH / MICRO_SIZE per optimizer step)
+             torch: plain | accumulate (the standard loop: loss / K, backward per micro-batch, one step)
+A "step" is always one optimizer update over BATCH samples. Timings: the first step (compilation
+included) and the median of STEPS steady steps. Memory: peak RSS, and its growth over the RSS measured
+after the framework's import and the data's creation (so it holds compilation, weights, activations); MindSpore's pool peak is printed by MindSpore itself at exit.
+"""
+import json
+import resource
+import sys
+import time
+
+import numpy as np
+
+MLP_IN, CLASSES = 64, 10
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _data(model: str, batch: int):
+    rng = np.random.RandomState(0)
+    shape = (batch, MLP_IN) if model == "mlp" else (batch, 1, 28, 28)
+    return rng.randn(*shape).astype(np.float32), rng.randint(0, CLASSES, batch).astype(np.int32)
+
+
+def _time_steps(step, steps: int):
+    start = time.perf_counter()
+    step()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return first, float(np.median(times))
+
+
+def mindspore_step(model: str, kind: str, micro_size: int, x, y):
+    import mindspore as ms
+    from mindspore import nn, Tensor
+    from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_seed(0)
+    if model == "mlp":
+        net = nn.SequentialCell(nn.Dense(MLP_IN, 512), nn.ReLU(), nn.Dense(512, 512), nn.ReLU(),
+                                nn.Dense(512, 512), nn.ReLU(), nn.Dense(512, CLASSES))
+    else:
+        net = nn.SequentialCell(nn.Conv2d(1, 16, 3, pad_mode="same"), nn.ReLU(), nn.Conv2d(16, 32, 3, pad_mode="same"),
+                                nn.ReLU(), nn.MaxPool2d(2, 2), nn.Flatten(), nn.Dense(32 * 14 * 14, CLASSES))
+    loss_net = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+    optimizer = nn.SGD(net.trainable_params(), 0.01)
+    if kind == "steps":
+        cell = AccumulatingTrainOneStepCell(loss_net, optimizer, micro_size)
+        rows = len(x) // micro_size
+        parts = [(Tensor(x[i * rows:(i + 1) * rows]), Tensor(y[i * rows:(i + 1) * rows])) for i in range(micro_size)]
+        return lambda: [cell(*part) for part in parts][-1].asnumpy()
+    if kind == "accumulate":
+        loss_net = GradAccumulationCell(loss_net, micro_size)
+    elif kind == "mindspore":
+        loss_net = nn.GradAccumulationCell(loss_net, micro_size)
+    elif kind != "plain":
+        raise SystemExit(f"unknown MindSpore kind {kind!r}")
+    cell = nn.TrainOneStepCell(loss_net, optimizer)
+    tx, ty = Tensor(x), Tensor(y)
+    return lambda: cell(tx, ty).asnumpy()
+
+
+def torch_step(model: str, kind: str, micro_size: int, x, y):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if model == "mlp":
+        net = nn.Sequential(nn.Linear(MLP_IN, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                            nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, CLASSES))
+    else:
+        net = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                            nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 14 * 14, CLASSES))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+    k = micro_size if kind == "accumulate" else 1
+    if kind not in ("plain", "accumulate"):
+        raise SystemExit(f"unknown PyTorch kind {kind!r}")
+    parts = list(zip(torch.from_numpy(x).chunk(k), torch.from_numpy(y).long().chunk(k)))
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        for data, label in parts:           # the standard accumulation loop
+            loss = loss_fn(net(data), label) / k
+            loss.backward()
+        optimizer.step()
+        return loss.item()
+    return step
+
+
+def main(framework: str, model: str, kind: str, micro_size: int, batch: int, steps: int) -> None:
+    # The baseline is taken after the framework is imported and the data exists, so growth is training's.
+    __import__("mindspore" if framework == "mindspore" else "torch")
+    x, y = _data(model, batch)
+    rss_base = _rss_mb()
+    build = mindspore_step if framework == "mindspore" else torch_step
+    step = build(model, kind, micro_size, x, y)
+    first, steady = _time_steps(step, steps)
+    result = dict(framework=framework, model=model, kind=kind, micro_size=micro_size, batch=batch,
+                  first_step_s=first, steady_step_s=steady, samples_per_s=batch / steady,
+                  rss_base_mb=rss_base, rss_peak_mb=_rss_mb(), rss_growth_mb=_rss_mb() - rss_base,
+                  input_mb=(x.nbytes + y.nbytes) / 2 ** 20)
+    print("BENCH " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
