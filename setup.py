@@ -25,5 +25,7 @@ setup(
         "test": ["pytest>=7"],
         "sample": ["scikit-learn"],
         "bench": ["matplotlib"],
+        # Optional: the benchmark's cross-framework rows (skipped, saying so, without it).
+        "torch": ["torch==2.13.0"],
     },
 )
