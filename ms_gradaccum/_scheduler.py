@@ -5,13 +5,9 @@ from mindspore import nn
 from mindspore.train import Callback
 
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
-from ms_gradaccum._validation import argument_error, describe
+from ms_gradaccum._validation import argument_error, check_int
 
 _NAME = "GradAccumulationScheduler"
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class GradAccumulationScheduler(Callback):
@@ -48,20 +44,12 @@ class GradAccumulationScheduler(Callback):
         if not scheduling:
             raise ValueError(argument_error(_NAME, "scheduling", "a non-empty dict {epoch: accumulate_steps}",
                                             scheduling))
+        schedule = {}
         for epoch, steps in scheduling.items():
-            if not _is_int(epoch):
-                raise TypeError(f"For '{_NAME}', every key of 'scheduling' must be a zero-based epoch (int >= 0), "
-                                f"but got {describe(epoch)}.")
-            if epoch < 0:
-                raise ValueError(f"For '{_NAME}', every key of 'scheduling' must be a zero-based epoch (int >= 0), "
-                                 f"but got {describe(epoch)}.")
-            if not _is_int(steps):
-                raise TypeError(f"For '{_NAME}', the accumulate_steps of epoch {epoch} in 'scheduling' must be an "
-                                f"int >= 1, but got {describe(steps)}.")
-            if steps < 1:
-                raise ValueError(f"For '{_NAME}', the accumulate_steps of epoch {epoch} in 'scheduling' must be "
-                                 f"an int >= 1, but got {describe(steps)}.")
-        schedule = dict(sorted(scheduling.items()))
+            epoch = check_int(epoch, 0, "every key of 'scheduling'", "a zero-based epoch (int >= 0)", _NAME)
+            schedule[epoch] = check_int(steps, 1, f"the accumulate_steps of epoch {epoch} in 'scheduling'",
+                                        "an int >= 1", _NAME)
+        schedule = dict(sorted(schedule.items()))
         if 0 not in schedule:
             schedule = {0: 1, **schedule}
         self.scheduling = schedule

@@ -20,13 +20,21 @@ def argument_error(cls_name: str, arg_name: str, expected: str, value: Any, hint
     return f"{message} {hint}" if hint else message
 
 
-def check_positive_int(value: Any, arg_name: str, cls_name: str) -> int:
-    """Return ``value`` as an int if it is an integer >= 1 (numpy integers too); bool is not an int here."""
+def check_int(value: Any, minimum: int, subject: str, expected: str, cls_name: str) -> int:
+    """Return ``value`` as an int if it is an integer >= ``minimum`` (numpy integers too; bool is not an int).
+
+    The message reads ``For '<cls_name>', <subject> must be <expected>, but got <value> (<type>).``
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(argument_error(cls_name, arg_name, "a positive int", value))
-    if value < 1:
-        raise ValueError(argument_error(cls_name, arg_name, "a positive int", value))
+        raise TypeError(f"For '{cls_name}', {subject} must be {expected}, but got {describe(value)}.")
+    if value < minimum:
+        raise ValueError(f"For '{cls_name}', {subject} must be {expected}, but got {describe(value)}.")
     return int(value)
+
+
+def check_positive_int(value: Any, arg_name: str, cls_name: str) -> int:
+    """Return ``value`` as an int if it is an integer >= 1."""
+    return check_int(value, 1, f"the argument '{arg_name}'", "a positive int", cls_name)
 
 
 def check_cell(value: Any, arg_name: str, cls_name: str) -> nn.Cell:

@@ -14,13 +14,12 @@ import sys
 
 import numpy as np
 import mindspore as ms
-import mindspore.dataset as ds
 from mindspore import nn, ops, Tensor
 from mindspore.communication import get_group_size, get_rank, init
 from mindspore.train import Callback, Model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import classification_batches, make_mlp, make_optimizer, params_of  # noqa: E402
+from helpers import classification_batches, classification_dataset, make_mlp, make_optimizer, params_of  # noqa: E402
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # noqa: E402
 
 STEPS, BATCH, MICRO_SIZE = 3, 16, 4  # per-rank batch
@@ -39,23 +38,8 @@ class _Record(Callback):
         self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
 
 
-class _Rows:
-    """Random-access source (GeneratorDataset shards only those): every row of the global batches."""
-
-    def __init__(self, group: int):
-        self.rows = [(x[i], y[i]) for x, y in classification_batches(STEPS, BATCH * group)
-                     for i in range(BATCH * group)]
-
-    def __getitem__(self, index):
-        return np.asarray(self.rows[index][0]), np.asarray(self.rows[index][1])
-
-    def __len__(self):
-        return len(self.rows)
-
-
 def train(out_dir: str, rank: int, group: int) -> None:
-    dataset = ds.GeneratorDataset(_Rows(group), ["data", "label"], shuffle=False, num_shards=group, shard_id=rank)
-    dataset = dataset.batch(BATCH, drop_remainder=True)
+    dataset = classification_dataset(STEPS, BATCH * group, num_shards=group, shard_id=rank)
     model_batches = [(x.asnumpy(), y.asnumpy()) for x, y in dataset.create_tuple_iterator(num_epochs=1)]
 
     net = make_mlp()

@@ -39,6 +39,28 @@ def classification_batches(steps: int, batch: int, in_shape: Sequence[int] = (16
             for _ in range(steps)]
 
 
+class _Rows:
+    """Random-access rows of ``classification_batches`` (GeneratorDataset shards only such sources)."""
+
+    def __init__(self, steps: int, batch: int):
+        self.rows = [(x[i], y[i]) for x, y in classification_batches(steps, batch) for i in range(batch)]
+
+    def __getitem__(self, index):
+        return np.asarray(self.rows[index][0]), np.asarray(self.rows[index][1])
+
+    def __len__(self):
+        return len(self.rows)
+
+
+def classification_dataset(steps: int, batch: int, num_shards: int = 1, shard_id: int = 0):
+    """``classification_batches(steps, batch)`` as a ``mindspore.dataset`` of batches of ``batch // num_shards``
+    rows, in order, optionally sharded like a data-parallel rank's input."""
+    import mindspore.dataset as ds  # pylint: disable=import-outside-toplevel
+    shard = dict(num_shards=num_shards, shard_id=shard_id) if num_shards > 1 else {}
+    dataset = ds.GeneratorDataset(_Rows(steps, batch), ["data", "label"], shuffle=False, **shard)
+    return dataset.batch(batch // num_shards, drop_remainder=True)
+
+
 def params_of(net: nn.Cell) -> Params:
     """Name -> numpy copy of every trainable parameter."""
     return {p.name: p.asnumpy().copy() for p in net.trainable_params()}

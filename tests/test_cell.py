@@ -1,5 +1,4 @@
 """Reference equivalence: GradAccumulationCell against plain full-batch nn.TrainOneStepCell."""
-import functools
 
 import numpy as np
 import mindspore as ms

@@ -4,27 +4,21 @@ import re
 
 import numpy as np
 import mindspore as ms
-import mindspore.dataset as ds
 import pytest
 from mindspore import nn
 from mindspore.train import Callback, CheckpointConfig, LossMonitor, Model, ModelCheckpoint
 from mindspore.train.amp import _is_grad_accumulation
 
 from ms_gradaccum import GradAccumulationCell
-from helpers import (assert_params_close, assert_params_moved, classification_batches, make_mlp,
-                     make_optimizer, params_of)
+from helpers import (assert_params_close, assert_params_moved, classification_dataset, make_mlp, make_optimizer,
+                     params_of)
 
 BATCH = 32
 STEPS = 4
 
 
 def _dataset(steps=STEPS, batch=BATCH):
-    samples = [(x[i], y[i]) for x, y in classification_batches(steps, batch) for i in range(batch)]
-
-    def rows():
-        for x, y in samples:
-            yield np.asarray(x), np.asarray(y)
-    return ds.GeneratorDataset(rows, column_names=["data", "label"], shuffle=False).batch(batch, drop_remainder=True)
+    return classification_dataset(steps, batch)
 
 
 def _loss_fn():

@@ -3,24 +3,18 @@ import re
 
 import numpy as np
 import mindspore as ms
-import mindspore.dataset as ds
 import pytest
 from mindspore import nn
 from mindspore.train import Callback, LossMonitor, Model
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, GradAccumulationScheduler
-from helpers import classification_batches, make_mlp, make_optimizer, params_of
+from helpers import classification_batches, classification_dataset, make_mlp, make_optimizer, params_of
 
 STEPS_PER_EPOCH = 8
 
 
 def _dataset(steps=STEPS_PER_EPOCH, batch=8):
-    rows = [(x[i], y[i]) for x, y in classification_batches(steps, batch) for i in range(batch)]
-
-    def generate():
-        for x, y in rows:
-            yield np.asarray(x), np.asarray(y)
-    return ds.GeneratorDataset(generate, ["data", "label"], shuffle=False).batch(batch, drop_remainder=True)
+    return classification_dataset(steps, batch)
 
 
 def _model(accumulate_steps=1):

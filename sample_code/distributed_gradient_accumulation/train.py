@@ -12,7 +12,6 @@ import argparse
 import os
 import sys
 
-import numpy as np
 import mindspore as ms
 import mindspore.dataset as ds
 from mindspore import nn
