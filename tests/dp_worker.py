@@ -16,10 +16,10 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Tensor
 from mindspore.communication import get_group_size, get_rank, init
-from mindspore.train import Callback, Model
+from mindspore.train import Model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import classification_batches, classification_dataset, make_mlp, make_optimizer, params_of  # noqa: E402
+from helpers import RecordLoss, classification_batches, classification_dataset, make_mlp, make_optimizer, params_of  # noqa: E402
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # noqa: E402
 
 STEPS, BATCH, MICRO_SIZE = 3, 16, 4  # per-rank batch
@@ -29,22 +29,13 @@ def _loss_fn():
     return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
-class _Record(Callback):
-    def __init__(self):
-        super().__init__()
-        self.losses = []
-
-    def on_train_step_end(self, run_context):
-        self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
-
-
 def train(out_dir: str, rank: int, group: int) -> None:
     dataset = classification_dataset(STEPS, BATCH * group, num_shards=group, shard_id=rank)
     model_batches = [(x.asnumpy(), y.asnumpy()) for x, y in dataset.create_tuple_iterator(num_epochs=1)]
 
     net = make_mlp()
     initial = params_of(net)
-    record = _Record()
+    record = RecordLoss()
     model = Model(GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), MICRO_SIZE),
                   optimizer=make_optimizer("momentum", net.trainable_params()))
     model.train(1, dataset, callbacks=[record], dataset_sink_mode=False)

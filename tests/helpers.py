@@ -61,6 +61,17 @@ def classification_dataset(steps: int, batch: int, num_shards: int = 1, shard_id
     return dataset.batch(batch // num_shards, drop_remainder=True)
 
 
+class RecordLoss(ms.train.Callback):
+    """Records what Model hands to callbacks as each step's loss (what LossMonitor prints)."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_step_end(self, run_context):
+        self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
+
+
 def params_of(net: nn.Cell) -> Params:
     """Name -> numpy copy of every trainable parameter."""
     return {p.name: p.asnumpy().copy() for p in net.trainable_params()}

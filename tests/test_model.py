@@ -6,12 +6,12 @@ import numpy as np
 import mindspore as ms
 import pytest
 from mindspore import nn
-from mindspore.train import Callback, CheckpointConfig, LossMonitor, Model, ModelCheckpoint
+from mindspore.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint
 from mindspore.train.amp import _is_grad_accumulation
 
 from ms_gradaccum import GradAccumulationCell
-from helpers import (assert_params_close, assert_params_moved, classification_dataset, make_mlp, make_optimizer,
-                     params_of)
+from helpers import (RecordLoss, assert_params_close, assert_params_moved, classification_dataset, make_mlp,
+                     make_optimizer, params_of)
 
 BATCH = 32
 STEPS = 4
@@ -25,19 +25,8 @@ def _loss_fn():
     return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
-class _RecordLoss(Callback):
-    """Records what Model hands to callbacks as the step's loss (what LossMonitor prints)."""
-
-    def __init__(self):
-        super().__init__()
-        self.losses = []
-
-    def on_train_step_end(self, run_context):
-        self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
-
-
 def _train_with_model(loss_network, net, optimizer="momentum", sink=False, callbacks=()):
-    record = _RecordLoss()
+    record = RecordLoss()
     model = Model(loss_network, optimizer=make_optimizer(optimizer, net.trainable_params()))
     model.train(1, _dataset(), callbacks=[record, *callbacks], dataset_sink_mode=sink)
     return model, record.losses
