@@ -3,22 +3,17 @@ import mindspore as ms
 from mindspore import nn, ops, Tensor, ParameterTuple
 from mindspore.common import dtype as mstype
 from mindspore.ops.primitive import _primexpr
-from mindspore.parallel.nn import GradAccumulation as _ParallelPassGradAccumulation
 
+from ms_gradaccum import _loss_scale
 from ms_gradaccum._microbatch import check_loss_shape, micro_batch, split_batch
+from ms_gradaccum._parallel import ParallelPassAccumulation, parallel_pass_mode
 from ms_gradaccum._validation import check_cell, check_has_trainable_params, check_positive_int
 
 # Names that mindspore.train.amp._is_grad_accumulation routes into _TrainGradAccuStepCell, whose optimizer
 # reads buffers that only the semi-auto-parallel compiler pass fills: outside that mode it trains nothing.
 _ROUTED_NAMES = frozenset({"GradAccumulationCell", "GradAccumulation"})
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
-# In these modes the routing is MindSpore's real mechanism, and the cell hands the work to it.
-_PARALLEL_PASS_MODES = frozenset({ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.ParallelMode.AUTO_PARALLEL})
-
-
-def _parallel_pass_mode() -> bool:
-    """True when the semi-auto/auto-parallel compiler pass does the accumulation (Ascend/GPU only)."""
-    return ms.get_auto_parallel_context("parallel_mode") in _PARALLEL_PASS_MODES
+_NAME = "GradAccumulationCell"
 
 
 @_primexpr
@@ -44,23 +39,46 @@ class _TupleInputs(nn.Cell):
         return self.network(*inputs)
 
 
-class _MicroBatchGradients(nn.Cell):
-    """Runs the micro-batches one after another and returns ``(mean loss, mean gradient per weight)``.
+class _ScaledLoss(nn.Cell):
+    """``loss * scale``: differentiating it runs the backward pass on the scaled loss.
 
-    Its ``bprop`` returns zeros for the inputs, so an outer ``GradOperation`` treats it as opaque and does
-    not differentiate through the loop (which would recompute everything and hold every activation).
+    The product is taken in float32, so a float16 loss times a large scale cannot overflow in the forward
+    value; the backward then starts from ``scale`` in the loss's own dtype, as ``nn.TrainOneStepCell``'s
+    ``sens`` does. With ``scale == 1`` the gradients are bit-identical to unscaled ones. (The unscaled loss is
+    recovered as ``scaled / scale``, exact for power-of-two scales: ``has_aux`` fails inside a graph-mode
+    ``while`` loop in MindSpore 2.10.)
+    """
+
+    def __init__(self, network: nn.Cell):
+        super().__init__(auto_prefix=False)
+        self.loss_of_inputs = _TupleInputs(network)
+
+    def construct(self, inputs, scale):
+        loss = self.loss_of_inputs(inputs)
+        check_loss_shape(loss.shape)
+        return ops.cast(loss, mstype.float32) * scale
+
+
+class _MicroBatchGradients(nn.Cell):
+    """Runs the micro-batches one after another: ``(mean loss, sum of the scaled gradients)``.
+
+    Each micro-batch's backward runs on its loss times ``scale`` (the loss scale, so float16/bfloat16
+    gradients do not underflow); the sums are kept in float32 (float64 for float64 weights) and are NOT unscaled or averaged here: the
+    caller does that once. Its ``bprop`` returns zeros for the inputs, so an outer ``GradOperation`` treats it
+    as opaque and does not differentiate through the loop (which would recompute everything and hold every
+    activation).
     """
 
     def __init__(self, network: nn.Cell, weights: ParameterTuple, micro_size: int):
         super().__init__(auto_prefix=False)
-        self.loss_of_inputs = _TupleInputs(network)
+        self.scaled_loss = _ScaledLoss(network)
         self.weights = weights
         self.micro_size = micro_size
 
     # Compiled as a graph in PyNative mode too: there, a cell with a custom bprop runs its construct under
     # no_grad, where eager gradients are refused, and an eager loop would not free memory per micro-batch.
     @ms.jit
-    def construct(self, inputs):
+    def construct(self, inputs, scale):
         k = self.micro_size
         split = split_batch(inputs, k)
         sums = ()
@@ -71,24 +89,20 @@ class _MicroBatchGradients(nn.Cell):
         # micro-batches strictly in turn, so micro-batch i's activations are freed before i + 1 starts.
         i = Tensor(0, mstype.int32)
         while i < k:
-            loss, grads = ms.value_and_grad(self.loss_of_inputs, None, self.weights)(micro_batch(split, i))
-            check_loss_shape(loss.shape)
-            loss_sum = loss_sum + ops.cast(loss, mstype.float32)
+            scaled, grads = ms.value_and_grad(self.scaled_loss, None, self.weights)(micro_batch(split, i), scale)
+            loss_sum = loss_sum + scaled / scale
             new_sums = ()
             for total, grad in zip(sums, grads):
                 new_sums += (total + ops.cast(grad, total.dtype),)
             sums = new_sums
             i = i + 1
-        means = ()
-        for total, w in zip(sums, self.weights):
-            means += (ops.cast(total / k, w.dtype),)
-        return loss_sum / k, means
+        return loss_sum / k, sums
 
-    def bprop(self, inputs, out, dout):
+    def bprop(self, inputs, scale, out, dout):
         zeros = ()
         for x in inputs:
             zeros += (ops.zeros_like(x),)
-        return (zeros,)
+        return zeros, ops.zeros_like(scale)
 
 
 class GradAccumulationCell(nn.Cell):
@@ -162,19 +176,26 @@ class GradAccumulationCell(nn.Cell):
         ()
     """
 
-    def __init__(self, network: nn.Cell, micro_size: int):
-        check_cell(network, "network", "GradAccumulationCell")
-        micro_size = check_positive_int(micro_size, "micro_size", "GradAccumulationCell")
-        weights = check_has_trainable_params(network, "network", "GradAccumulationCell")
+    def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None):
+        check_cell(network, "network", _NAME)
+        micro_size = check_positive_int(micro_size, "micro_size", _NAME)
+        loss_scale = _loss_scale.explicit_loss_scale(loss_scale, _NAME)
+        weights = check_has_trainable_params(network, "network", _NAME)
         super().__init__(auto_prefix=False)
         self.network = network
         self.micro_size = micro_size
         self.weights = ParameterTuple(weights)
-        self.parallel_pass = _parallel_pass_mode()
+        # Where the scale of the micro-batch backward passes comes from (see _loss_scale): a Parameter kept
+        # as an attribute is read live each step; a number is a constant; None is the wrapper's, at compile time.
+        self.live_scale = isinstance(loss_scale, ms.Parameter)
+        if self.live_scale:
+            self.loss_scale = loss_scale
+        else:
+            self.fixed_scale = loss_scale
+        self.key = _loss_scale.register(self)
+        self.parallel_pass = parallel_pass_mode()
         if self.parallel_pass:
-            # MindSpore's _TrainGradAccuStepCell reads `micro_size` from this cell and scales the gradient
-            # by 1 / micro_size, so construct must hand it the gradient of the SUM of micro-batch losses.
-            self.parallel_accumulation = _ParallelPassGradAccumulation(network, micro_size)
+            self.parallel_accumulation = ParallelPassAccumulation(network, micro_size, self.key)
         else:
             self.micro_batch_gradients = _MicroBatchGradients(network, self.weights, micro_size)
 
@@ -188,15 +209,24 @@ class GradAccumulationCell(nn.Cell):
         name = type(self).__name__
         return _UNROUTED_NAME if name in _ROUTED_NAMES else name
 
+    def backward_scale(self):
+        """The loss scale the micro-batch backward passes run with, as a float32 scalar Tensor."""
+        if self.live_scale:
+            return ops.cast(self.loss_scale, mstype.float32).reshape(())
+        if self.fixed_scale is None:
+            return Tensor(_loss_scale.wrapper_loss_scale(self.key), mstype.float32)
+        return Tensor(self.fixed_scale, mstype.float32)
+
     def construct(self, *inputs):
         if self.parallel_pass:
-            total = self.parallel_accumulation(*inputs)
-            # Value: the mean loss (what LossMonitor shows); gradient: that of the sum, as MindSpore expects.
-            return ops.stop_gradient(total / self.micro_size) + (total - ops.stop_gradient(total))
-        loss, grads = self.micro_batch_gradients(ms.mutable(inputs))
+            return self.parallel_accumulation(*inputs)
+        scale = self.backward_scale()
+        loss, sums = self.micro_batch_gradients(ms.mutable(inputs), scale)
         surrogate = Tensor(0.0, mstype.float32)
-        for grad, weight in zip(grads, self.weights):
+        for total, weight in zip(sums, self.weights):
+            # Averaged and unscaled once, kept in float32 (a float16 cast of the small unscaled mean would
+            # underflow): the wrapper's sens then multiplies it back in float32, in the surrogate's backward.
+            mean = ops.stop_gradient(ops.cast(total / self.micro_size / scale, mstype.float32))
             # float32 so a sum over many low-precision weights cannot overflow and turn the loss into NaN.
-            surrogate = surrogate + ops.sum(ops.cast(ops.stop_gradient(grad), mstype.float32)
-                                            * ops.cast(weight, mstype.float32))
+            surrogate = surrogate + ops.sum(mean * ops.cast(weight, mstype.float32))
         return ops.stop_gradient(loss) + (surrogate - ops.stop_gradient(surrogate))
