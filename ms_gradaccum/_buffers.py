@@ -17,6 +17,8 @@ _LOW_PRECISION = (mstype.float16, mstype.bfloat16)
 _add = ops.MultitypeFuncGraph("_add")
 _clear = ops.MultitypeFuncGraph("_clear")
 _mean = ops.MultitypeFuncGraph("_mean")
+_divide = ops.MultitypeFuncGraph("_divide")
+_cast_like = ops.MultitypeFuncGraph("_cast_like")
 
 
 @_add.register("Tensor", "Tensor")
@@ -30,9 +32,24 @@ def _clear_tensor(after, buffer):
     return ops.assign(buffer, ops.depend(ops.zeros_like(buffer), after))
 
 
-@_mean.register("Tensor", "Tensor", "Tensor")
-def _mean_tensor(count, buffer, weight):
-    return ops.cast(buffer / ops.cast(count, buffer.dtype), weight.dtype)
+@_mean.register("Tensor", "Tensor")
+def _mean_tensor(count, buffer):
+    return buffer / ops.cast(count, buffer.dtype)
+
+
+@_divide.register("Tensor", "Tensor")
+def _divide_tensor(divisor, tensor):
+    return tensor / ops.cast(divisor, tensor.dtype)
+
+
+@_divide.register("Number", "Tensor")
+def _divide_number(divisor, tensor):
+    return tensor / divisor
+
+
+@_cast_like.register("Tensor", "Tensor")
+def _cast_like_tensor(tensor, like):
+    return ops.cast(tensor, like.dtype)
 
 
 def gradient_buffers(weights: Sequence[Parameter]) -> ParameterTuple:
@@ -60,6 +77,16 @@ def clear(hyper_map, buffers, after):
     return hyper_map(ops.partial(_clear, after), buffers)
 
 
-def mean_of(hyper_map, buffers, count, weights):
-    """buffers / count, each cast back to its weight's dtype."""
-    return hyper_map(ops.partial(_mean, count), buffers, weights)
+def mean_of(hyper_map, buffers, count):
+    """buffers / count, in the buffers' dtype (float32 for low-precision weights)."""
+    return hyper_map(ops.partial(_mean, count), buffers)
+
+
+def divided(hyper_map, tensors, divisor):
+    """Each tensor / divisor (a number or a scalar Tensor), in the tensor's dtype."""
+    return hyper_map(ops.partial(_divide, divisor), tensors)
+
+
+def cast_like(hyper_map, tensors, weights):
+    """Each tensor cast to its weight's dtype, for the optimizer."""
+    return hyper_map(_cast_like, tensors, weights)

@@ -5,8 +5,10 @@ import mindspore as ms
 from mindspore import nn, ops
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum import _buffers
-from ms_gradaccum._cell import _TupleInputs
+from mindspore import Tensor
+
+from ms_gradaccum import _buffers, _loss_scale
+from ms_gradaccum._cell import GradAccumulationCell, _MicroBatchGradients, _ScaledLoss, _TupleInputs
 from ms_gradaccum._validation import (argument_error, check_cell, check_has_trainable_params,
                                       check_positive_int)
 
@@ -81,16 +83,31 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     """
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int,
-                 steps_per_epoch: Optional[int] = None):
+                 steps_per_epoch: Optional[int] = None, scale_sense=None, max_grad_norm: Optional[float] = None):
         check_cell(network, "network", _NAME)
         if not isinstance(optimizer, nn.Optimizer):
             raise TypeError(argument_error(_NAME, "optimizer", "a mindspore.nn.Optimizer", optimizer))
         accumulate_steps = check_positive_int(accumulate_steps, "accumulate_steps", _NAME)
         if steps_per_epoch is not None:
             steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
+        max_grad_norm = _loss_scale.check_max_grad_norm(max_grad_norm, _NAME)
+        scale = None if scale_sense is None else _loss_scale.scale_parameter(scale_sense, _NAME)
         check_has_trainable_params(network, "network", _NAME)
+        micro = _micro_batch_cell(network)
+        if scale is not None and float(getattr(optimizer, "loss_scale", 1.0)) != 1.0:
+            raise ValueError(
+                f"For '{_NAME}', the optimizer's loss_scale must be 1.0 when 'scale_sense' is given (this cell "
+                f"unscales the gradients itself, and the optimizer would divide them again), but got "
+                f"{optimizer.loss_scale}. Create the optimizer without loss_scale.")
         super().__init__(network, optimizer)
         self.loss_of_inputs = _TupleInputs(network)
+        # A GradAccumulationCell network is not differentiated through its surrogate: its micro-batch loop runs
+        # here directly, with this cell's live loss scale, into this cell's buffers.
+        self.split_micro_batches = micro is not None
+        if self.split_micro_batches:
+            self.micro_batch_gradients = _MicroBatchGradients(micro.network, self.weights, micro.micro_size)
+            self.micro_size = micro.micro_size
+        self.scaled_loss = _ScaledLoss(network)
         self.grad_sums = _buffers.gradient_buffers(self.weights)
         self.window_position = _buffers.state_scalar("window_position", 0)
         self.epoch_position = _buffers.state_scalar("epoch_position", 0)
@@ -99,9 +116,26 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         self.window_loss_sum = _buffers.state_scalar("window_loss_sum", 0.0, mstype.float32)
         self.window_loss = _buffers.state_scalar("last_window_loss", float("nan"), mstype.float32)
         self.hyper_map = ops.HyperMap()
+        self.loss_scaled = scale is not None
+        if self.loss_scaled:
+            self.scale_sense, self.loss_scaling_manager = scale
+        self.has_scale_manager = self.loss_scaled and self.loss_scaling_manager is not None
+        self.clip = max_grad_norm is not None
+        self.max_grad_norm = max_grad_norm
+
+    def _scale(self):
+        if self.loss_scaled:
+            return ops.cast(self.scale_sense, mstype.float32).reshape(())
+        return Tensor(1.0, mstype.float32)
 
     def construct(self, *inputs):
-        loss, grads = ms.value_and_grad(self.loss_of_inputs, None, self.weights)(inputs)
+        scale = self._scale()
+        if self.split_micro_batches:
+            loss, sums = self.micro_batch_gradients(ms.mutable(inputs), scale)
+            grads = _buffers.divided(self.hyper_map, sums, self.micro_size)
+        else:
+            scaled, grads = ms.value_and_grad(self.scaled_loss, None, self.weights)(inputs, scale)
+            loss = scaled / scale
         loss = ops.depend(loss, _buffers.add_into(self.hyper_map, self.grad_sums, grads))
         loss = ops.depend(loss, ops.assign_add(self.window_loss_sum, ops.cast(loss, mstype.float32)))
         loss = ops.depend(loss, ops.assign_add(self.window_position, ops.ones((), mstype.int32)))
@@ -109,22 +143,41 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         epoch_end = ops.logical_and(self.steps_per_epoch > 0, self.epoch_position >= self.steps_per_epoch)
         if epoch_end:
             loss = ops.depend(loss, ops.assign(self.epoch_position, ops.zeros((), mstype.int32)))
+        overflow = Tensor(False, mstype.bool_)
         if ops.logical_or(self.window_position >= self.accumulate_steps, epoch_end):
-            loss = ops.depend(loss, self._apply_window())
-        return loss
+            overflow = self._apply_window()
+        if self.loss_scaled:
+            return loss, overflow, ops.depend(self._scale(), overflow)
+        return ops.depend(loss, overflow)
 
     def _apply_window(self):
-        """Optimizer step with the window's mean gradient, reduced across devices once; then reset."""
+        """Optimizer step with the window's mean gradient, reduced across devices once; then reset.
+
+        Returns whether the window overflowed (its step skipped). Order: mean of the window, reduced across
+        devices, unscaled, all in float32; overflow is judged on that reduced gradient, so every device
+        decides the same; the scale is updated once; clipping and the optimizer run only on a finite gradient.
+        """
         count = self.window_position
-        mean = _buffers.mean_of(self.hyper_map, self.grad_sums, count, self.weights)
+        mean = _buffers.mean_of(self.hyper_map, self.grad_sums, count)
         mean = self.grad_reducer(mean)
-        # A scalar that exists only once the optimizer has run: resets depend on it, so they come after.
-        done = ops.depend(ops.zeros((), mstype.int32), self.optimizer(mean))
+        overflow = Tensor(False, mstype.bool_)
+        if self.loss_scaled:
+            mean = _buffers.divided(self.hyper_map, mean, self.scale_sense)
+            overflow = ops.logical_not(_loss_scale.all_finite(self.hyper_map, mean))
+            if self.has_scale_manager:
+                overflow = self.loss_scaling_manager(self.scale_sense, overflow)
+        stepped = ops.zeros((), mstype.int32)
+        if not overflow:
+            if self.clip:
+                mean = ops.clip_by_global_norm(mean, self.max_grad_norm)
+            stepped = ops.depend(stepped, self.optimizer(_buffers.cast_like(self.hyper_map, mean, self.weights)))
+        # A scalar that exists only once the optimizer has run (or was skipped): resets depend on it.
+        done = ops.depend(ops.zeros((), mstype.int32), stepped)
         done = ops.depend(done, ops.assign(self.window_loss, self.window_loss_sum / ops.cast(count, mstype.float32)))
         done = ops.depend(done, _buffers.clear(self.hyper_map, self.grad_sums, done))
         done = ops.depend(done, ops.assign(self.window_loss_sum, ops.cast(done, mstype.float32)))
         done = ops.depend(done, ops.assign(self.window_position, done))
-        return done
+        return ops.depend(overflow, done)
 
     @ms.jit
     def _flush_graph(self):
@@ -156,3 +209,21 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         """Declare the epoch length, so the last window of each epoch is closed at its last batch."""
         value = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
         self.steps_per_epoch.set_data(ms.Tensor(value, mstype.int32))
+
+
+def _micro_batch_cell(network: nn.Cell) -> Optional[GradAccumulationCell]:
+    """``network`` if it is a GradAccumulationCell this cell can drive directly; errors for the other cases."""
+    if isinstance(network, GradAccumulationCell):
+        if network.parallel_pass:
+            raise ValueError(
+                f"For '{_NAME}', the argument 'network' is a GradAccumulationCell created under semi-auto/auto "
+                f"parallel, where MindSpore's parallel pass does the accumulation; train it with "
+                f"Model(GradAccumulationCell(...), optimizer=...) instead.")
+        return network
+    for name, cell in network.cells_and_names():
+        if isinstance(cell, GradAccumulationCell):
+            raise ValueError(
+                f"For '{_NAME}', a GradAccumulationCell must be the 'network' itself, but it is nested in "
+                f"{type(network).__name__} as '{name}'. Wrap the loss network in GradAccumulationCell last: "
+                f"{_NAME}(GradAccumulationCell(loss_net, micro_size), optimizer, accumulate_steps).")
+    return None
