@@ -32,9 +32,14 @@ def register(cell: nn.Cell) -> str:
     return key
 
 
+_SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
+                                   "nn.FixedLossScaleUpdateCell",
+                   "loss_scale": "None, a positive finite float, or a scalar Tensor or Parameter"}
+
+
 def check_scale_value(value: Any, arg_name: str, cls_name: str) -> float:
     """A loss scale given as a number or a scalar Tensor: finite and > 0 (bool is not a number)."""
-    expected = "a positive finite float, a scalar Tensor, or a loss-scale update cell"
+    expected = _SCALE_EXPECTED[arg_name]
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
         raise TypeError(argument_error(cls_name, arg_name, expected, value))
     if isinstance(value, Tensor):
@@ -47,8 +52,7 @@ def check_scale_value(value: Any, arg_name: str, cls_name: str) -> float:
     else:
         number = float(value)
     if not np.isfinite(number) or number <= 0:
-        raise ValueError(f"For '{cls_name}', the argument '{arg_name}' must be {expected} with a value > 0, "
-                         f"but got {describe(value)}.")
+        raise ValueError(argument_error(cls_name, arg_name, expected, value))
     return number
 
 
@@ -56,9 +60,7 @@ def scale_parameter(scale_sense: Any, cls_name: str) -> tuple:
     """``(Parameter 'scale_sense', update cell or None)`` from what ``nn.TrainOneStepWithLossScaleCell`` takes."""
     if isinstance(scale_sense, nn.Cell):
         if not isinstance(scale_sense, _SCALE_MANAGERS):
-            raise TypeError(argument_error(
-                cls_name, "scale_sense", "a positive float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
-                "nn.FixedLossScaleUpdateCell", scale_sense))
+            raise TypeError(argument_error(cls_name, "scale_sense", _SCALE_EXPECTED["scale_sense"], scale_sense))
         value = check_scale_value(scale_sense.get_loss_scale(), "scale_sense", cls_name)
         manager = scale_sense
     else:

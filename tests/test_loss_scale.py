@@ -3,6 +3,8 @@
 Low-precision networks here compute in float16/bfloat16 (``to_float``, or ``Model``'s ``amp_level="O2"``) with
 float32 weights, and a loss small enough that unscaled float16 gradients underflow to zero.
 """
+import re
+
 import numpy as np
 import mindspore as ms
 import pytest
@@ -169,3 +171,274 @@ def test_loss_scale_read_from_the_wrapping_train_cell():
     opt = nn.SGD(cell.trainable_params(), 0.1)
     assert Probe(nn.TrainOneStepCell(cell, opt, sens=512.0)).compile() == 512.0
     assert Probe(nn.TrainOneStepCell(cell, opt)).compile() == 1.0
+
+
+# --- AccumulatingTrainOneStepCell(scale_sense=..., max_grad_norm=...) -------------------------------------
+
+def _accumulating(net, network_of=lambda loss_net: loss_net, accumulate_steps=1, optimizer="sgd", **kwargs):
+    opt = nn.SGD(net.trainable_params(), 1e4) if optimizer == "sgd" else make_optimizer(optimizer, net.trainable_params())
+    return AccumulatingTrainOneStepCell(network_of(nn.WithLossCell(net, _SmallLoss())), opt, accumulate_steps,
+                                        **kwargs)
+
+
+@pytest.mark.parametrize("micro", [False, True], ids=["window", "micro_batches"])
+def test_loss_scale_accumulating_cell_scales_every_batch(micro):
+    ref_net = _low_precision_mlp()
+    initial = params_of(ref_net)
+    expected = _hand_built(nn.WithLossCell(ref_net, _SmallLoss()), ref_net, SCALE)
+
+    def run(scale):
+        net = _low_precision_mlp()
+        if micro:   # K micro-batches of each batch, one optimizer step per batch
+            cell = _accumulating(net, lambda loss_net: GradAccumulationCell(loss_net, K), scale_sense=scale)
+            batches = classification_batches(2, BATCH)
+        else:       # K consecutive quarter batches per optimizer step
+            cell = _accumulating(net, accumulate_steps=K, scale_sense=scale)
+            batches = [(x[i::K], y[i::K]) for x, y in classification_batches(2, BATCH) for i in range(K)]
+        for x, y in batches:
+            loss, overflow, returned_scale = cell(Tensor(x), Tensor(y))
+            assert not overflow and float(returned_scale.asnumpy()) == scale and loss.shape == ()
+        return params_of(net)
+
+    _assert_same_update(run(SCALE), expected, initial)
+    # Negative control: the same cell at scale 1 loses most of the gradient to float16 underflow.
+    assert _moved(run(1.0), initial) < 0.5 * sum(v.size for v in initial.values())
+
+
+_SCALE_STATE = ("scale_sense", "current_iterator_step", "last_overflow_iterator_step")
+
+
+def _train_state(cell):
+    """Everything an optimizer step may change, without the loss-scale state and the window counters."""
+    return {p.name: p.asnumpy().copy() for p in cell.get_parameters()
+            if p.name not in _SCALE_STATE and not p.name.startswith("accu_state.")}
+
+
+def _poisoned(x, rows):
+    x = x.copy()
+    x[rows] = 1e5   # beyond float16's 65504: inf activations, non-finite loss and gradients
+    return x
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_loss_scale_overflow_in_one_micro_batch_skips_the_step_exactly(where):
+    micro = BATCH // K
+    rows = {"first": [0], "middle": [2 * micro + 1], "last": [BATCH - 1]}[where]
+    (x, y), (x2, y2) = classification_batches(2, BATCH)
+    net = _low_precision_mlp()
+    cell = _accumulating(net, lambda loss_net: GradAccumulationCell(loss_net, K), optimizer="adam",
+                         scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 10, 2, 1000))
+    cell(Tensor(x2), Tensor(y2))                      # one clean step first, so the Adam moments are non-zero
+    before = _train_state(cell)
+    _, overflow, scale = cell(Tensor(_poisoned(x, rows)), Tensor(y))
+    assert bool(overflow) and float(scale.asnumpy()) == 2.0 ** 9      # lowered once
+    assert_params_equal(_train_state(cell), before)                   # weights, moments, global_step
+    assert not np.any(cell.grad_sums[0].asnumpy())                     # accumulators cleared
+
+    _, overflow, _ = cell(Tensor(x), Tensor(y))                        # the next clean step trains ...
+    twin_net = _low_precision_mlp()
+    twin = _accumulating(twin_net, lambda loss_net: GradAccumulationCell(loss_net, K), optimizer="adam",
+                         scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 10, 2, 1000))
+    twin(Tensor(x2), Tensor(y2))
+    twin.scale_sense.set_data(Tensor(2.0 ** 9, ms.float32))
+    twin(Tensor(x), Tensor(y))
+    assert not overflow
+    assert_params_equal(params_of(net), params_of(twin_net))         # ... exactly as if the bad batch never came
+
+
+def test_loss_scale_overflow_in_one_batch_of_a_window_skips_the_window():
+    batches = classification_batches(3, 8)
+    net = _low_precision_mlp()
+    cell = _accumulating(net, accumulate_steps=3,
+                         scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 10, 2, 1000))
+    before = _train_state(cell)
+    flags = []
+    for i, (x, y) in enumerate(batches):
+        _, overflow, scale = cell(Tensor(_poisoned(x, [3]) if i == 1 else x), Tensor(y))
+        flags.append(bool(overflow))
+    assert flags == [False, False, True] and float(scale.asnumpy()) == 2.0 ** 9
+    assert_params_equal(_train_state(cell), before)
+    assert cell.pending_batches == 0 and not np.any(cell.grad_sums[0].asnumpy())
+    for x, y in batches:                                               # a clean window then trains
+        _, overflow, _ = cell(Tensor(x), Tensor(y))
+    assert not overflow
+    assert_params_moved(params_of(net), {n: v for n, v in before.items() if n in params_of(net)}, min_change=0.0)
+
+
+def test_loss_scale_dynamic_scale_grows_after_scale_window_clean_steps():
+    net = _low_precision_mlp()
+    cell = _accumulating(net, accumulate_steps=2, scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 4, 2, 2))
+    scales = []
+    for x, y in classification_batches(8, 8):   # 4 windows of 2 batches: the scale changes only at window ends
+        scales.append(float(cell(Tensor(x), Tensor(y))[2].asnumpy()))
+    assert scales == [16, 16, 16, 32, 32, 32, 32, 64]
+
+
+def test_loss_scale_fixed_update_cell_skips_without_lowering():
+    (x, y), = classification_batches(1, BATCH)
+    cell = _accumulating(_low_precision_mlp(), scale_sense=nn.FixedLossScaleUpdateCell(2.0 ** 10))
+    before = _train_state(cell)
+    _, overflow, scale = cell(Tensor(_poisoned(x, [0])), Tensor(y))
+    assert bool(overflow) and float(scale.asnumpy()) == 2.0 ** 10
+    assert_params_equal(_train_state(cell), before)
+
+
+def test_loss_scale_plain_tensor_scale_skips_overflowing_steps():
+    (x, y), = classification_batches(1, BATCH)
+    cell = _accumulating(_low_precision_mlp(), scale_sense=Tensor(2.0 ** 10, ms.float32))
+    before = _train_state(cell)
+    assert bool(cell(Tensor(_poisoned(x, [0])), Tensor(y))[1])
+    assert_params_equal(_train_state(cell), before)
+
+
+def test_loss_scale_resume_from_checkpoint_keeps_the_scale(tmp_path):
+    batches = classification_batches(6, 8)
+    poisoned = [(_poisoned(x, [0]) if i == 1 else x, y) for i, (x, y) in enumerate(batches)]
+
+    def fresh():
+        net = _low_precision_mlp()
+        return net, _accumulating(net, accumulate_steps=2, optimizer="adam",
+                                  scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 10, 2, 2))
+
+    net, cell = fresh()
+    for x, y in poisoned:
+        cell(Tensor(x), Tensor(y))
+    first_net, first = fresh()
+    for x, y in poisoned[:3]:
+        first(Tensor(x), Tensor(y))
+    assert float(first.scale_sense.asnumpy()) == 2.0 ** 9                # lowered by the poisoned window
+    path = str(tmp_path / "scaled.ckpt")
+    ms.save_checkpoint(first, path)
+    resumed_net, resumed = fresh()
+    not_loaded, _ = ms.load_param_into_net(resumed, ms.load_checkpoint(path))
+    assert not_loaded == [] and float(resumed.scale_sense.asnumpy()) == 2.0 ** 9
+    for x, y in poisoned[3:]:
+        resumed(Tensor(x), Tensor(y))
+    assert float(resumed.scale_sense.asnumpy()) == float(cell.scale_sense.asnumpy()) == 2.0 ** 10  # regrown
+    assert_params_equal(params_of(resumed_net), params_of(net))
+
+
+# --- clipping ---------------------------------------------------------------------------------------------
+
+class _ClippedStep(nn.TrainOneStepCell):
+    """The reference: full-batch gradient, ops.clip_by_global_norm once, then the optimizer."""
+
+    def __init__(self, network, optimizer, max_norm):
+        super().__init__(network, optimizer)
+        self.max_norm = max_norm
+
+    def construct(self, *inputs):
+        loss, grads = ms.value_and_grad(self.network, None, self.weights)(*inputs)
+        return ops.depend(loss, self.optimizer(ops.clip_by_global_norm(grads, self.max_norm)))
+
+
+MAX_NORM = 0.05
+
+
+def _ce():
+    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+
+
+@pytest.mark.parametrize("micro", [False, True], ids=["window", "micro_batches"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_loss_scale_clipping_once_per_step_matches_full_batch(micro, optimizer):
+    batches = classification_batches(3, BATCH)
+    ref_net = make_mlp()
+    initial = params_of(ref_net)
+    ref = _ClippedStep(nn.WithLossCell(ref_net, _ce()), make_optimizer(optimizer, ref_net.trainable_params()), MAX_NORM)
+    for x, y in batches:
+        ref(Tensor(x), Tensor(y))
+
+    def run(max_grad_norm):
+        net = make_mlp()
+        loss_net = nn.WithLossCell(net, _ce())
+        opt = make_optimizer(optimizer, net.trainable_params())
+        if micro:
+            cell = AccumulatingTrainOneStepCell(GradAccumulationCell(loss_net, K), opt, 1, max_grad_norm=max_grad_norm)
+            feed = batches
+        else:
+            cell = AccumulatingTrainOneStepCell(loss_net, opt, K, max_grad_norm=max_grad_norm)
+            feed = [(x[i::K], y[i::K]) for x, y in batches for i in range(K)]
+        for x, y in feed:
+            cell(Tensor(x), Tensor(y))
+        return params_of(net)
+
+    assert_params_moved(params_of(ref_net), initial)
+    assert_params_close(run(MAX_NORM), params_of(ref_net), rtol=1e-5, atol=1e-6)
+    # Negative control: without clipping the update differs (clipping is active at this max_grad_norm).
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(run(None), params_of(ref_net), rtol=1e-5, atol=1e-6)
+
+
+def test_loss_scale_clipping_each_micro_batch_is_not_the_same():
+    # Negative control for "once per step": clipping every quarter batch then averaging differs.
+    batches = classification_batches(2, BATCH)
+    ref_net = make_mlp()
+    ref = _ClippedStep(nn.WithLossCell(ref_net, _ce()), nn.SGD(ref_net.trainable_params(), 0.1), MAX_NORM)
+    for x, y in batches:
+        ref(Tensor(x), Tensor(y))
+    net = make_mlp()
+    per_batch = _ClippedStep(nn.WithLossCell(net, _ce()), nn.SGD(net.trainable_params(), 0.1 / K), MAX_NORM)
+    for x, y in batches:
+        for i in range(K):
+            per_batch(Tensor(x[i::K]), Tensor(y[i::K]))
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(params_of(net), params_of(ref_net), rtol=1e-5, atol=1e-6)
+
+
+def test_loss_scale_model_with_accumulating_cell_and_loss_monitor(capsys):
+    net = _low_precision_mlp()
+    cell = _accumulating(net, lambda loss_net: GradAccumulationCell(loss_net, K),
+                         scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 12, 2, 1000), max_grad_norm=1.0)
+    initial = params_of(net)
+    Model(cell).train(1, classification_dataset(2, BATCH), callbacks=[ms.train.LossMonitor(1)],
+                      dataset_sink_mode=False)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "loss is" in line]
+    assert len(lines) == 2
+    assert_params_moved(params_of(net), initial, min_change=0.0)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(scale_sense=True), TypeError, "the argument 'scale_sense' must be a positive finite float"),
+    (dict(scale_sense="1024"), TypeError, "the argument 'scale_sense' must be a positive finite float"),
+    (dict(scale_sense=0.0), ValueError, "the argument 'scale_sense' must be a positive finite float"),
+    (dict(scale_sense=-8), ValueError, "the argument 'scale_sense' must be a positive finite float, a scalar Tensor, "
+                                       "nn.DynamicLossScaleUpdateCell or nn.FixedLossScaleUpdateCell, but got -8 (int)"),
+    (dict(scale_sense=float("inf")), ValueError, "the argument 'scale_sense' must be a positive finite float"),
+    (dict(scale_sense=Tensor(np.ones(2, np.float32))), ValueError,
+     "the argument 'scale_sense' must be a scalar Tensor (shape () or (1,))"),
+    (dict(scale_sense=nn.ReLU()), TypeError, "the argument 'scale_sense' must be a positive finite float, a scalar "
+     "Tensor, nn.DynamicLossScaleUpdateCell or nn.FixedLossScaleUpdateCell, but got ReLU() (ReLU)"),
+    (dict(max_grad_norm=0), ValueError, "the argument 'max_grad_norm' must be None or a positive float, but got 0"),
+    (dict(max_grad_norm=-1.0), ValueError, "the argument 'max_grad_norm' must be None or a positive float"),
+    (dict(max_grad_norm=True), TypeError, "the argument 'max_grad_norm' must be None or a positive float, but got True"),
+    (dict(max_grad_norm="1"), TypeError, "the argument 'max_grad_norm' must be None or a positive float, but got '1'"),
+])
+def test_loss_scale_bad_arguments_rejected(kwargs, error, message):
+    net = make_mlp()
+    with pytest.raises(error, match=re.escape("For 'AccumulatingTrainOneStepCell', " + message)):
+        AccumulatingTrainOneStepCell(nn.WithLossCell(net, _ce()), nn.SGD(net.trainable_params(), 0.1), 1, **kwargs)
+
+
+def test_loss_scale_optimizer_loss_scale_with_scale_sense_rejected():
+    net = make_mlp()
+    with pytest.raises(ValueError, match="the optimizer's loss_scale must be 1.0 when 'scale_sense' is given"):
+        AccumulatingTrainOneStepCell(nn.WithLossCell(net, _ce()), nn.SGD(net.trainable_params(), 0.1, loss_scale=8.0),
+                                     1, scale_sense=8.0)
+
+
+@pytest.mark.parametrize("loss_scale, error, message", [
+    (True, TypeError, "the argument 'loss_scale' must be None, a positive finite float, or a scalar Tensor or Parameter, but got True (bool)"),
+    (0, ValueError, "the argument 'loss_scale' must be None, a positive finite float"),
+    (float("nan"), ValueError, "the argument 'loss_scale' must be None, a positive finite float"),
+])
+def test_loss_scale_bad_cell_loss_scale_rejected(loss_scale, error, message):
+    with pytest.raises(error, match=re.escape("For 'GradAccumulationCell', " + message)):
+        GradAccumulationCell(nn.WithLossCell(make_mlp(), _ce()), 2, loss_scale=loss_scale)
+
+
+def test_loss_scale_nested_grad_accumulation_cell_rejected():
+    net = make_mlp()
+    nested = nn.SequentialCell([GradAccumulationCell(nn.WithLossCell(net, _ce()), 2)])
+    with pytest.raises(ValueError, match="a GradAccumulationCell must be the 'network' itself"):
+        AccumulatingTrainOneStepCell(nested, nn.SGD(net.trainable_params(), 0.1), 1)
