@@ -23,6 +23,7 @@ from helpers import RecordLoss, classification_batches, classification_dataset, 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # noqa: E402
 
 STEPS, BATCH, MICRO_SIZE = 3, 16, 4  # per-rank batch
+CLIP_SCALE, MAX_GRAD_NORM = 1024.0, 0.05
 
 
 def _loss_fn():
@@ -56,13 +57,20 @@ def train(out_dir: str, rank: int, group: int) -> None:
                                               make_optimizer("momentum", steps_net.trainable_params()), MICRO_SIZE)
     steps_losses = [float(steps_cell(Tensor(x), Tensor(y)).asnumpy()) for x, y in steps_batches]
 
+    # Loss scale and clipping: micro-batches of the loop batches, clipped once per step after the all-reduce.
+    clip_net = make_mlp()
+    clip_cell = AccumulatingTrainOneStepCell(
+        GradAccumulationCell(nn.WithLossCell(clip_net, _loss_fn()), MICRO_SIZE),
+        make_optimizer("sgd", clip_net.trainable_params()), 1, scale_sense=CLIP_SCALE, max_grad_norm=MAX_GRAD_NORM)
+    clip_losses = [float(clip_cell(Tensor(x), Tensor(y))[0].asnumpy()) for x, y in loop_batches]
+
     arrays = {"model_losses": np.array(record.losses), "loop_losses": np.array(loop_losses),
-              "steps_losses": np.array(steps_losses)}
+              "steps_losses": np.array(steps_losses), "clip_losses": np.array(clip_losses)}
     for prefix, batches in (("model", model_batches), ("loop", loop_batches), ("steps", steps_batches)):
         arrays[f"{prefix}_x"] = np.stack([x for x, _ in batches])
         arrays[f"{prefix}_y"] = np.stack([y for _, y in batches])
     for prefix, values in (("initial", initial), ("model_param", params_of(net)), ("loop_param", params_of(loop_net)),
-                           ("steps_param", params_of(steps_net))):
+                           ("steps_param", params_of(steps_net)), ("clip_param", params_of(clip_net))):
         arrays.update({f"{prefix}:{name}": value for name, value in values.items()})
     np.savez(os.path.join(out_dir, f"rank_{rank}.npz"), **arrays)
 

@@ -4,12 +4,16 @@ import glob
 import os
 
 import numpy as np
+import mindspore as ms
 import pytest
-from mindspore import nn
+from mindspore import nn, ops, Tensor
+
+from dp_worker import MAX_GRAD_NORM
 
 from helpers import (assert_params_close, assert_params_moved, make_mlp, make_optimizer, max_abs_diff,
                      train_steps, params_of)
 from launch import msrun
+from test_loss_scale import _ClippedStep, _ce
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py")
 RANKS = 2
@@ -82,6 +86,50 @@ def test_data_parallel_accumulating_steps_match_single_process_on_global_window(
     actual = _params(data_parallel[0], "steps_param")
     assert_params_moved(actual, _params(data_parallel[0], "initial"))
     assert_params_close(actual, params_of(net), rtol=1e-5, atol=1e-6)
+
+
+class _ClipEachRank(nn.Cell):
+    """Control: each rank clips its own shard's gradient, then the clipped gradients are averaged."""
+
+    def __init__(self, loss_net, optimizer, max_norm):
+        super().__init__(auto_prefix=False)
+        self.loss_net, self.optimizer, self.max_norm = loss_net, optimizer, max_norm
+        self.weights = optimizer.parameters
+
+    def construct(self, x0, y0, x1, y1):
+        _, g0 = ms.value_and_grad(self.loss_net, None, self.weights)(x0, y0)
+        _, g1 = ms.value_and_grad(self.loss_net, None, self.weights)(x1, y1)
+        g0 = ops.clip_by_global_norm(g0, self.max_norm)
+        g1 = ops.clip_by_global_norm(g1, self.max_norm)
+        mean = ()
+        for a, b in zip(g0, g1):
+            mean += ((a + b) / 2,)
+        return self.optimizer(mean)
+
+
+def test_data_parallel_clipping_after_all_reduce_matches_single_process(data_parallel):
+    # The loop batches under AccumulatingTrainOneStepCell(GradAccumulationCell(.., 4), sgd, 1,
+    # scale_sense=1024, max_grad_norm=0.05): the global batch's gradient clipped once, in one process.
+    steps = len(data_parallel[0]["loop_x"])
+    global_batches = [(np.concatenate([r["loop_x"][s] for r in data_parallel]),
+                       np.concatenate([r["loop_y"][s] for r in data_parallel])) for s in range(steps)]
+    net = make_mlp()
+    ref = _ClippedStep(nn.WithLossCell(net, _ce()), make_optimizer("sgd", net.trainable_params()), MAX_GRAD_NORM)
+    for x, y in global_batches:
+        ref(Tensor(x), Tensor(y))
+    rank0, rank1 = (_params(r, "clip_param") for r in data_parallel)
+    assert_params_close(rank1, rank0, rtol=0, atol=0)
+    assert_params_moved(rank0, _params(data_parallel[0], "initial"))
+    assert_params_close(rank0, params_of(net), rtol=1e-5, atol=1e-6)
+
+    # Negative control: clipping each rank's gradient before the reduction is a different update.
+    control_net = make_mlp()
+    control = _ClipEachRank(nn.WithLossCell(control_net, _ce()), make_optimizer("sgd", control_net.trainable_params()),
+                            MAX_GRAD_NORM)
+    for s in range(steps):
+        control(*(Tensor(r[f"loop_{v}"][s]) for r in data_parallel for v in "xy"))
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(params_of(control_net), params_of(net), rtol=1e-5, atol=1e-6)
 
 
 def test_data_parallel_without_data_parallel_mode_ranks_diverge(stand_alone):
