@@ -74,3 +74,66 @@ def test_parallel_modes_semi_auto_output_is_mean_loss_with_gradient_of_sum():
     np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy(), rtol=1e-6)
     for grad, ref_grad in zip(grads, ref_grads):
         np.testing.assert_allclose(grad.asnumpy() / K, ref_grad.asnumpy(), rtol=1e-5, atol=1e-7)
+
+
+class _CompilingFrame(nn.Cell):
+    """Stands in for Cell.compile of a top cell: a Python frame whose `self` holds `wrapper`."""
+
+    def __init__(self, wrapper):
+        super().__init__()
+        self.wrapper = wrapper
+
+    def compile(self, lookup, key):  # pylint: disable=arguments-differ
+        return lookup(key)
+
+
+def test_parallel_modes_semi_auto_fixed_loss_scale_reaches_the_backward():
+    # Model builds _TrainGradAccuStepCell(network, optimizer) for FixedLossScaleManager(S, False) under
+    # semi-auto: no sens at all, while the optimizer divides by S. The cell must scale its backward by S.
+    from ms_gradaccum._loss_scale import missing_loss_scale  # pylint: disable=import-outside-toplevel
+    scale = 2.0 ** 10
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    cell = GradAccumulationCell(_loss_net(), K)
+    model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1, loss_scale=scale),
+                     loss_scale_manager=ms.FixedLossScaleManager(scale, drop_overflow_update=False))
+    train_network = model._train_network  # pylint: disable=protected-access
+    assert type(train_network) is _TrainGradAccuStepCell and not train_network.sense_flag
+    assert _CompilingFrame(train_network).compile(missing_loss_scale, cell.key) == scale
+    # Any other wrapper applies its own scale: nothing is scaled twice.
+    plain = nn.TrainOneStepCell(cell, nn.SGD(cell.trainable_params(), 0.1), sens=scale)
+    assert _CompilingFrame(plain).compile(missing_loss_scale, cell.key) == 1.0
+
+
+def test_parallel_modes_semi_auto_gradient_carries_the_optimizer_loss_scale():
+    # Evaluated stand-alone (the markers are inert there), inside a frame that holds the semi-auto wrapper.
+    scale = 2.0 ** 10
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    cell = GradAccumulationCell(_loss_net(), K)
+    model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1, loss_scale=scale),
+                     loss_scale_manager=ms.FixedLossScaleManager(scale, drop_overflow_update=False))
+    wrapper = model._train_network  # pylint: disable=protected-access
+    ms.reset_auto_parallel_context()
+    reference = _loss_net()
+    x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
+
+    def gradients(_):
+        return ms.value_and_grad(cell, None, cell.trainable_params())(x, y)
+
+    loss, grads = _CompilingFrame(wrapper).compile(gradients, None)
+    ref_loss, ref_grads = ms.value_and_grad(reference, None, reference.trainable_params())(x, y)
+    np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy(), rtol=1e-6)
+    for grad, ref_grad in zip(grads, ref_grads):   # sum over micro-batches, times the scale
+        np.testing.assert_allclose(grad.asnumpy() / K / scale, ref_grad.asnumpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_parallel_modes_dynamic_loss_scale_wrapper_is_refused_with_the_fix():
+    # On Ascend/GPU, Model builds nn.TrainOneStepWithLossScaleCell for a DynamicLossScaleManager; a scale that
+    # changes while training cannot reach backward passes that run inside the forward: a clear error.
+    from ms_gradaccum._loss_scale import wrapper_loss_scale  # pylint: disable=import-outside-toplevel
+    cell = GradAccumulationCell(_loss_net(), K)
+    opt = nn.SGD(cell.trainable_params(), 0.1)
+    dynamic = nn.TrainOneStepWithLossScaleCell(cell, opt, scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 10, 2, 100))
+    with pytest.raises(ValueError, match=r"AccumulatingTrainOneStepCell\(GradAccumulationCell\(loss_net, micro_size\)"):
+        _CompilingFrame(dynamic).compile(wrapper_loss_scale, cell.key)
+    fixed = nn.TrainOneStepWithLossScaleCell(cell, opt, scale_sense=nn.FixedLossScaleUpdateCell(2.0 ** 10))
+    assert _CompilingFrame(fixed).compile(wrapper_loss_scale, cell.key) == 2.0 ** 10
