@@ -122,6 +122,16 @@ class GradAccumulationCell(nn.Cell):
     accumulated mean gradient ``g_p``. Gradient reduction across devices (data parallel) and loss scaling
     therefore happen once per batch, in the wrapping cell, as for any other network.
 
+    Loss scaling (mixed precision): every micro-batch's backward pass runs on its loss times the loss scale,
+    so float16/bfloat16 gradients do not underflow; the sums are kept in float32 and unscaled once, in float32,
+    before the wrapping cell's ``sens`` multiplies them back and the optimizer divides it out (no double
+    scaling). The scale is `loss_scale` when given, else the fixed ``sens`` of the MindSpore train cell that
+    wraps this one (``nn.TrainOneStepCell(..., sens=S)``, which ``Model`` builds for
+    ``FixedLossScaleManager(S, drop_overflow_update=False)``), read when the graph is compiled. An overflowing
+    micro-batch makes the gradient non-finite, so wrappers that check for overflow skip the step. For a scale
+    that changes while training, and to skip overflowing steps on CPU, wrap this cell in
+    :class:`AccumulatingTrainOneStepCell` with ``scale_sense``.
+
     Under ``SEMI_AUTO_PARALLEL`` and ``AUTO_PARALLEL`` (Ascend/GPU) the cell instead presents itself to
     MindSpore's own parallel pipeline: it wraps :class:`mindspore.parallel.nn.GradAccumulation` (which marks
     the micro-batch slices and the end of each micro-batch's forward), ``Model`` routes it into MindSpore's
@@ -142,6 +152,10 @@ class GradAccumulationCell(nn.Cell):
             along axis 0.
         micro_size (int): The NUMBER of micro-batches each batch is split into (not the size of one; the name
             is MindSpore's). The batch size of every input must be divisible by it.
+        loss_scale (Union[None, float, Tensor, Parameter]): The loss scale of the micro-batch backward passes.
+            ``None``: that of the train cell wrapping this one (1.0 if none). A number or scalar Tensor: fixed.
+            A Parameter is read live at every step, e.g. ``mindspore.amp.DynamicLossScaler(...).scale_value`` in
+            a functional training step. Default: ``None``.
 
     Inputs:
         - **\*inputs** (Tensor) - The inputs of `network`, all with the same batch size :math:`B` on axis 0,
@@ -152,8 +166,12 @@ class GradAccumulationCell(nn.Cell):
         mean-reduced loss. ``LossMonitor`` prints this number.
 
     Raises:
-        TypeError: If `network` is not a Cell, or `micro_size` is not an int (bool included).
-        ValueError: If `micro_size` < 1, or `network` has no trainable parameter.
+        TypeError: If `network` is not a Cell, `micro_size` is not an int (bool included), or `loss_scale` is
+            not None, a number or a scalar Tensor.
+        ValueError: If `micro_size` < 1, `loss_scale` is not positive and finite, or `network` has no trainable
+            parameter.
+        ValueError: At graph compile time, if the wrapping train cell changes its loss scale while training
+            (``nn.TrainOneStepWithLossScaleCell`` with a ``DynamicLossScaleUpdateCell``); the message gives the fix.
         ValueError: At graph compile time, if an input has no batch axis, the inputs' batch sizes differ,
             a batch size is not divisible by `micro_size`, or `network` returns a non-scalar loss.
 

@@ -41,24 +41,51 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     parameters: checkpoints carry them, and a run resumed from a checkpoint taken mid-window ends with the
     same weights as an uninterrupted one.
 
+    Mixed precision: with `scale_sense`, every batch's backward pass (and, for a :class:`GradAccumulationCell`
+    network, every micro-batch's) runs on the loss times the current scale; the float32 window sums are
+    averaged, reduced across devices and unscaled once. If that gradient is not finite (an overflow in any
+    batch or micro-batch of the window, on any device) the optimizer step is skipped: weights and optimizer
+    state (moments, ``global_step``) stay bit-unchanged, the buffers are cleared, and a
+    ``nn.DynamicLossScaleUpdateCell`` lowers the scale once (and raises it after ``scale_window`` clean
+    steps). This check works on CPU too, where MindSpore's own overflow-skipping wrappers do not compile.
+    With `max_grad_norm`, the unscaled, reduced window gradient is clipped by global norm once per optimizer
+    step (``ops.clip_by_global_norm``), as the full batch would be.
+
+    A :class:`GradAccumulationCell` as `network` is driven directly: its micro-batch loop runs with this cell's
+    scale, so ``Model(AccumulatingTrainOneStepCell(GradAccumulationCell(loss_net, 8), opt, 1,
+    scale_sense=..., max_grad_norm=1.0))`` gives micro-batches, loss scaling, overflow skipping and clipping
+    in one train cell.
+
     Args:
-        network (Cell): A cell returning a scalar loss, e.g. ``nn.WithLossCell(net, loss_fn)``.
+        network (Cell): A cell returning a scalar loss, e.g. ``nn.WithLossCell(net, loss_fn)``, or a
+            :class:`GradAccumulationCell`.
         optimizer (nn.Optimizer): The optimizer for the network's weights.
         accumulate_steps (int): Number of calls (batches) per optimizer step; 1 behaves like
             ``nn.TrainOneStepCell``. Changeable between calls with :meth:`set_accumulate_steps`, no recompiling.
         steps_per_epoch (int, optional): Batches per epoch, to close the last window of each epoch.
             Default: ``None`` (windows span epochs).
+        scale_sense (Union[None, float, Tensor, Cell]): The loss scale, as ``nn.TrainOneStepWithLossScaleCell``
+            takes it: a positive number or scalar Tensor (fixed), or an ``nn.DynamicLossScaleUpdateCell`` /
+            ``nn.FixedLossScaleUpdateCell``. Kept in the Parameter :attr:`scale_sense`, so checkpoints carry
+            it. The optimizer must then have ``loss_scale=1.0``. Default: ``None`` (no loss scaling).
+        max_grad_norm (float, optional): Clip the window gradient to this global norm before the optimizer
+            step. Default: ``None`` (no clipping).
 
     Inputs:
         - **\*inputs** (Tensor) - The inputs of `network`.
 
     Outputs:
-        Tensor, the loss of this call's batch.
+        Without `scale_sense`: Tensor, the loss of this call's batch. With it, like
+        ``nn.TrainOneStepWithLossScaleCell``: a tuple ``(loss, overflow, scale)``; `overflow` is True when
+        this call closed a window whose step was skipped, and `scale` is the loss scale after the update.
 
     Raises:
-        TypeError: If `network` is not a Cell, `optimizer` not an ``nn.Optimizer``, or `accumulate_steps` /
-            `steps_per_epoch` not an int (bool included).
-        ValueError: If `accumulate_steps` or `steps_per_epoch` < 1, or `network` has no trainable parameter.
+        TypeError: If `network` is not a Cell, `optimizer` not an ``nn.Optimizer``, `accumulate_steps` /
+            `steps_per_epoch` not an int, `scale_sense` not one of the accepted kinds, or `max_grad_norm` not a
+            number (bool is none of these).
+        ValueError: If `accumulate_steps` or `steps_per_epoch` < 1, `scale_sense` or `max_grad_norm` is not
+            positive and finite, `network` has no trainable parameter, the optimizer has a ``loss_scale``
+            other than 1 while `scale_sense` is given, or a GradAccumulationCell is nested inside `network`.
 
     Supported Platforms:
         ``CPU``
@@ -80,6 +107,14 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         >>> _ = step(x, y)            # window complete: one optimizer step
         >>> bool((net.weight.asnumpy() == before).all()), step.pending_batches
         (False, 0)
+        >>> from ms_gradaccum import GradAccumulationCell
+        >>> scaled = AccumulatingTrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, nn.MSELoss()), 4),
+        ...                                       nn.SGD(net.trainable_params(), 0.1), 1,
+        ...                                       scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 12, 2, 1000),
+        ...                                       max_grad_norm=1.0)
+        >>> loss, overflow, scale = scaled(x, y)
+        >>> bool(overflow), float(scale.asnumpy())
+        (False, 4096.0)
     """
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int,
