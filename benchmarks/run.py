@@ -35,6 +35,7 @@ def configurations(spec: Dict, with_torch: bool) -> List[tuple]:
     configs += [("mindspore", "accumulate", k, batch) for k in spec["micro_sizes"]]
     configs += [("mindspore", "mindspore", k, batch) for k in spec["mindspore"]]
     configs += [("mindspore", "steps", FLOOR_K, batch)]
+    configs += [("mindspore", "plain_o2", 1, batch), ("mindspore", "accumulate_o2", FLOOR_K, batch)]
     if with_torch:
         configs += [("torch", "plain", 1, batch), ("torch", "accumulate", FLOOR_K, batch),
                     ("torch", "plain", 1, batch // FLOOR_K)]
@@ -71,14 +72,17 @@ def label(row: dict) -> str:
     return {"plain": "plain full batch" if row["batch"] == row["full_batch"] else "plain, one micro-batch (floor)",
             "accumulate": f"GradAccumulationCell K={row['micro_size']}",
             "mindspore": f"nn.GradAccumulationCell K={row['micro_size']} (unrolled)",
-            "steps": f"AccumulatingTrainOneStepCell steps={row['micro_size']}"}[row["kind"]]
+            "steps": f"AccumulatingTrainOneStepCell steps={row['micro_size']}",
+            "plain_o2": "fp16 (O2) plain full batch (ratios to this)",
+            "accumulate_o2": f"fp16 (O2) GradAccumulationCell K={row['micro_size']} (ratios to fp16 full)"}[row["kind"]]
 
 
 def add_ratios(rows: List[dict]) -> None:
-    """Ratios to the same framework's plain full-batch run of the same model."""
+    """Ratios to the same framework's plain full-batch run of the same model, in the same precision."""
     for row in rows:
+        plain = "plain_o2" if row["kind"].endswith("_o2") else "plain"
         base = next((r for r in rows if r["framework"] == row["framework"] and r["model"] == row["model"]
-                     and r["kind"] == "plain" and r["batch"] == r["full_batch"]), None)
+                     and r["kind"] == plain and r["batch"] == r["full_batch"]), None)
         if base is None:
             continue
         for key in ("pool_peak_mb", "rss_growth_mb", "steady_step_s", "first_step_s"):
@@ -129,6 +133,12 @@ def targets(rows: List[dict]) -> List[str]:
             ratio = k32["first_step_s"] / k1["first_step_s"]
             out.append(f"{model}: first step (compile) K=32 {k32['first_step_s']:.2f} s vs K=1 {k1['first_step_s']:.2f} s = "
                        f"{ratio:.2f}x -> {'met' if ratio <= 1.5 else 'MISSED'} (target <= 1.5x)")
+        o2_full, o2_k8 = get("plain_o2"), get("accumulate_o2", FLOOR_K)
+        if o2_full and o2_k8 and o2_k8.get("pool_peak_mb") and o2_full.get("pool_peak_mb"):
+            out.append(f"{model}: fp16 (O2, loss scale) K={FLOOR_K} vs fp16 full batch: pool peak {o2_k8['pool_peak_mb']} "
+                       f"vs {o2_full['pool_peak_mb']} MB ({o2_k8['pool_peak_mb'] / o2_full['pool_peak_mb']:.2f}x), step "
+                       f"{o2_k8['steady_step_s']:.3f} vs {o2_full['steady_step_s']:.3f} s "
+                       f"({o2_k8['steady_step_s'] / o2_full['steady_step_s']:.2f}x)")
         torch_full = next((r for r in rows if r["model"] == model and r["framework"] == "torch" and r["kind"] == "plain"
                            and r["batch"] == r["full_batch"]), None)
         torch_k8 = next((r for r in rows if r["model"] == model and r["framework"] == "torch" and r["kind"] == "accumulate"),

@@ -6,6 +6,8 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
   KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
              | mindspore (nn.GradAccumulationCell inside nn.TrainOneStepCell) | steps
              (AccumulatingTrainOneStepCell, MICRO_SIZE calls of BATCH / MICRO_SIZE per optimizer step)
+             | plain_o2 | accumulate_o2 (the same in mixed precision: amp O2 float16 compute, float32
+             weights, loss scale 2**10 as Model's FixedLossScaleManager applies it)
              torch: plain | accumulate (the standard loop: loss / K, backward per micro-batch, one step)
 A "step" is always one optimizer update over BATCH samples. Timings: the first step (compilation
 included) and the median of STEPS steady steps. Memory: peak RSS, and its growth over the RSS measured
@@ -19,6 +21,22 @@ import time
 import numpy as np
 
 MLP_IN, CLASSES = 64, 10
+MIXED_PRECISION_SCALE = 2.0 ** 10
+
+
+def _Float32Loss(loss_fn):  # pylint: disable=invalid-name
+    """The loss on float32 logits, as amp's own loss wrapper computes it under O2."""
+    from mindspore import nn, ops
+    from mindspore.common import dtype as mstype
+
+    class Float32Loss(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.loss_fn = loss_fn
+
+        def construct(self, logits, label):
+            return self.loss_fn(ops.cast(logits, mstype.float32), label)
+    return Float32Loss()
 
 
 def _rss_mb() -> float:
@@ -56,8 +74,14 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     else:
         net = nn.SequentialCell(nn.Conv2d(1, 16, 3, pad_mode="same"), nn.ReLU(), nn.Conv2d(16, 32, 3, pad_mode="same"),
                                 nn.ReLU(), nn.MaxPool2d(2, 2), nn.Flatten(), nn.Dense(32 * 14 * 14, CLASSES))
-    loss_net = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
-    optimizer = nn.SGD(net.trainable_params(), 0.01)
+    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    sens = None
+    if kind.endswith("_o2"):
+        kind, sens = kind[:-len("_o2")], MIXED_PRECISION_SCALE
+        net = ms.amp.auto_mixed_precision(net, "O2")
+        loss_fn = _Float32Loss(loss_fn)
+    loss_net = nn.WithLossCell(net, loss_fn)
+    optimizer = nn.SGD(net.trainable_params(), 0.01, loss_scale=sens or 1.0)
     if kind == "steps":
         cell = AccumulatingTrainOneStepCell(loss_net, optimizer, micro_size)
         rows = len(x) // micro_size
@@ -69,7 +93,7 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         loss_net = nn.GradAccumulationCell(loss_net, micro_size)
     elif kind != "plain":
         raise SystemExit(f"unknown MindSpore kind {kind!r}")
-    cell = nn.TrainOneStepCell(loss_net, optimizer)
+    cell = nn.TrainOneStepCell(loss_net, optimizer, sens=sens)
     tx, ty = Tensor(x), Tensor(y)
     return lambda: cell(tx, ty).asnumpy()
 
