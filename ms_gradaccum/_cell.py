@@ -2,107 +2,18 @@
 import mindspore as ms
 from mindspore import nn, ops, Tensor, ParameterTuple
 from mindspore.common import dtype as mstype
-from mindspore.ops.primitive import _primexpr
 
 from ms_gradaccum import _loss_scale
-from ms_gradaccum._microbatch import check_loss_shape, micro_batch, split_batch
+from ms_gradaccum._loop import MicroBatchGradients
+from ms_gradaccum._reduce import TokenTotals
 from ms_gradaccum._parallel import ParallelPassAccumulation, parallel_pass_mode
-from ms_gradaccum._validation import check_cell, check_has_trainable_params, check_positive_int
+from ms_gradaccum._validation import check_cell, check_has_trainable_params, check_positive_int, warn_batch_norm
 
 # Names that mindspore.train.amp._is_grad_accumulation routes into _TrainGradAccuStepCell, whose optimizer
 # reads buffers that only the semi-auto-parallel compiler pass fills: outside that mode it trains nothing.
 _ROUTED_NAMES = frozenset({"GradAccumulationCell", "GradAccumulation"})
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
-
-
-@_primexpr
-def _accumulation_dtype(dtype):
-    """Sum low-precision gradients in float32 so K micro-batches cannot overflow or lose the small terms."""
-    if dtype in (mstype.float16, mstype.bfloat16):
-        return mstype.float32
-    return dtype
-
-
-class _TupleInputs(nn.Cell):
-    """Calls ``network(*inputs)`` with the inputs packed in one tuple.
-
-    ``mindspore.value_and_grad`` rejects a network whose ``construct`` takes ``*inputs`` in graph mode
-    ("The parameters number of the function is 1 ..."); a fixed single argument works for any network.
-    """
-
-    def __init__(self, network: nn.Cell):
-        super().__init__(auto_prefix=False)
-        self.network = network
-
-    def construct(self, inputs):
-        return self.network(*inputs)
-
-
-class _ScaledLoss(nn.Cell):
-    """``loss * scale``: differentiating it runs the backward pass on the scaled loss.
-
-    The product is taken in float32, so a float16 loss times a large scale cannot overflow in the forward
-    value; the backward then starts from ``scale`` in the loss's own dtype, as ``nn.TrainOneStepCell``'s
-    ``sens`` does. With ``scale == 1`` the gradients are bit-identical to unscaled ones. (The unscaled loss is
-    recovered as ``scaled / scale``, exact for power-of-two scales: ``has_aux`` fails inside a graph-mode
-    ``while`` loop in MindSpore 2.10.)
-    """
-
-    def __init__(self, network: nn.Cell):
-        super().__init__(auto_prefix=False)
-        self.loss_of_inputs = _TupleInputs(network)
-
-    def construct(self, inputs, scale):
-        loss = self.loss_of_inputs(inputs)
-        check_loss_shape(loss.shape)
-        return ops.cast(loss, mstype.float32) * scale
-
-
-class _MicroBatchGradients(nn.Cell):
-    """Runs the micro-batches one after another: ``(mean loss, sum of the scaled gradients)``.
-
-    Each micro-batch's backward runs on its loss times ``scale`` (the loss scale, so float16/bfloat16
-    gradients do not underflow); the sums are kept in float32 (float64 for float64 weights) and are NOT unscaled or averaged here: the
-    caller does that once. Its ``bprop`` returns zeros for the inputs, so an outer ``GradOperation`` treats it
-    as opaque and does not differentiate through the loop (which would recompute everything and hold every
-    activation).
-    """
-
-    def __init__(self, network: nn.Cell, weights: ParameterTuple, micro_size: int):
-        super().__init__(auto_prefix=False)
-        self.scaled_loss = _ScaledLoss(network)
-        self.weights = weights
-        self.micro_size = micro_size
-
-    # Compiled as a graph in PyNative mode too: there, a cell with a custom bprop runs its construct under
-    # no_grad, where eager gradients are refused, and an eager loop would not free memory per micro-batch.
-    @ms.jit
-    def construct(self, inputs, scale):
-        k = self.micro_size
-        split = split_batch(inputs, k)
-        sums = ()
-        for w in self.weights:
-            sums += (ops.zeros(w.shape, _accumulation_dtype(w.dtype)),)
-        loss_sum = Tensor(0.0, mstype.float32)
-        # A graph-mode while loop over a Tensor counter is compiled once, whatever k is, and runs the
-        # micro-batches strictly in turn, so micro-batch i's activations are freed before i + 1 starts.
-        i = Tensor(0, mstype.int32)
-        while i < k:
-            scaled, grads = ms.value_and_grad(self.scaled_loss, None, self.weights)(micro_batch(split, i), scale)
-            loss_sum = loss_sum + scaled / scale
-            new_sums = ()
-            for total, grad in zip(sums, grads):
-                new_sums += (total + ops.cast(grad, total.dtype),)
-            sums = new_sums
-            i = i + 1
-        return loss_sum / k, sums
-
-    def bprop(self, inputs, scale, out, dout):
-        zeros = ()
-        for x in inputs:
-            zeros += (ops.zeros_like(x),)
-        return zeros, ops.zeros_like(scale)
 
 
 class GradAccumulationCell(nn.Cell):
@@ -199,6 +110,8 @@ class GradAccumulationCell(nn.Cell):
         micro_size = check_positive_int(micro_size, "micro_size", _NAME)
         loss_scale = _loss_scale.explicit_loss_scale(loss_scale, _NAME)
         weights = check_has_trainable_params(network, "network", _NAME)
+        if micro_size > 1:
+            warn_batch_norm(network, _NAME, f"micro_size={micro_size} micro-batches")
         super().__init__(auto_prefix=False)
         self.network = network
         self.micro_size = micro_size
@@ -215,7 +128,8 @@ class GradAccumulationCell(nn.Cell):
         if self.parallel_pass:
             self.parallel_accumulation = ParallelPassAccumulation(network, micro_size, self.key)
         else:
-            self.micro_batch_gradients = _MicroBatchGradients(network, self.weights, micro_size)
+            self.micro_batch_gradients = MicroBatchGradients(network, self.weights, micro_size)
+            self.token_totals = TokenTotals()
 
     @property
     def cls_name(self) -> str:
@@ -239,12 +153,20 @@ class GradAccumulationCell(nn.Cell):
         if self.parallel_pass:
             return self.parallel_accumulation(*inputs)
         scale = self.backward_scale()
-        loss, sums = self.micro_batch_gradients(ms.mutable(inputs), scale)
+        result = self.micro_batch_gradients(ms.mutable(inputs), scale)
+        if len(result) == 3:   # a (loss_sum, count) network: divide by the count of the whole (global) batch
+            sums, loss_sum, count = result
+            loss_sum, count, factor = self.token_totals(loss_sum, count)
+            loss = loss_sum / count
+            divisor = scale * count / factor
+        else:
+            sums, loss = result
+            divisor = scale
         surrogate = Tensor(0.0, mstype.float32)
         for total, weight in zip(sums, self.weights):
-            # Averaged and unscaled once, kept in float32 (a float16 cast of the small unscaled mean would
-            # underflow): the wrapper's sens then multiplies it back in float32, in the surrogate's backward.
-            mean = ops.stop_gradient(ops.cast(total / self.micro_size / scale, mstype.float32))
+            # Unscaled once, kept in float32 (a float16 cast of the small unscaled mean would underflow): the
+            # wrapper's sens then multiplies it back in float32, in the surrogate's backward.
+            mean = ops.stop_gradient(ops.cast(total / divisor, mstype.float32))
             # float32 so a sum over many low-precision weights cannot overflow and turn the loss into NaN.
             surrogate = surrogate + ops.sum(mean * ops.cast(weight, mstype.float32))
         return ops.stop_gradient(loss) + (surrogate - ops.stop_gradient(surrogate))

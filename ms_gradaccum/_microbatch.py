@@ -1,7 +1,9 @@
 """Splitting a batch along axis 0 into micro-batches, inside the compiled graph.
 
-The checks run at graph-compile time on static shapes (``_primexpr``), so a bad batch fails before any
-computation, with a message naming the input, its shape and ``micro_size``. Rows are never dropped.
+A batch of any size is split into ``micro_size`` micro-batches as even as possible (sizes differing by at most
+one); the caller weights each by its true number of rows. The checks run at graph-compile time on static shapes
+(``_primexpr``), so a bad batch fails before any computation, with a message naming the input and its shape.
+Rows are never dropped.
 """
 from typing import Tuple
 
@@ -11,13 +13,22 @@ from mindspore.ops.primitive import _primexpr
 _CLS_NAME = "GradAccumulationCell"
 
 
-def _divisors(n: int) -> list:
-    return [d for d in range(2, n + 1) if n % d == 0]
+def plan(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
+    """``((count, rows), ...)``: micro-batches as even as possible, sizes differing by at most one.
+
+    ``batch = sum(count * rows)``; one entry when ``micro_size`` divides ``batch``, else two (the larger
+    micro-batches first). A batch smaller than ``micro_size`` gives ``batch`` micro-batches of one row.
+    """
+    k = min(micro_size, batch)
+    rows, extra = divmod(batch, k)
+    if extra == 0:
+        return ((k, rows),)
+    return ((extra, rows + 1), (k - extra, rows))
 
 
 @_primexpr
 def check_input_shape(index: int, shape: tuple, first_shape: tuple, micro_size: int) -> None:
-    """Reject inputs that cannot be split exactly into ``micro_size`` micro-batches along axis 0."""
+    """Reject inputs that cannot be split along axis 0 together with the first input."""
     if not shape:
         raise ValueError(
             f"For '{_CLS_NAME}', input {index} has shape () but every input must have a batch axis 0 "
@@ -26,18 +37,13 @@ def check_input_shape(index: int, shape: tuple, first_shape: tuple, micro_size: 
         raise ValueError(
             f"For '{_CLS_NAME}', input {index} has a dynamic batch size (shape {shape}); the batch size must be "
             f"static to be split into micro_size={micro_size} micro-batches.")
+    if shape[0] == 0:
+        raise ValueError(
+            f"For '{_CLS_NAME}', input {index} has an empty batch (shape {shape}); there is nothing to train on.")
     if shape[0] != first_shape[0]:
         raise ValueError(
             f"For '{_CLS_NAME}', all inputs must have the same batch size (axis 0) to be split together, "
             f"but input 0 has shape {first_shape} and input {index} has shape {shape}.")
-    batch = shape[0]
-    if batch % micro_size != 0:
-        choices = ", ".join(str(d) for d in _divisors(batch)[:6]) or "none above 1"
-        raise ValueError(
-            f"For '{_CLS_NAME}', the batch size of input {index} (shape {shape}) must be divisible by "
-            f"micro_size={micro_size}, but {batch} % {micro_size} = {batch % micro_size}. Rows are never dropped: "
-            f"either batch the dataset with drop_remainder=True and a batch size divisible by {micro_size}, "
-            f"or choose a micro_size that divides {batch} (divisors: {choices}).")
 
 
 @_primexpr
@@ -46,17 +52,38 @@ def check_loss_shape(shape: tuple) -> None:
     if shape:
         raise ValueError(
             f"For '{_CLS_NAME}', the argument 'network' must return a scalar loss (shape ()), but it returned "
-            f"shape {shape}. Reduce the loss inside the network, e.g. with reduction='mean' in the loss function.")
+            f"shape {shape}. Reduce the loss inside the network, e.g. with reduction='mean' in the loss function, "
+            f"or return (loss_sum, count) for a loss normalised by a count such as the number of tokens.")
+
+
+@_primexpr
+def check_loss_tuple(shapes: tuple) -> None:
+    """A tuple output must be ``(loss_sum, count)``: two scalars."""
+    if len(shapes) != 2 or any(shape for shape in shapes):
+        raise ValueError(
+            f"For '{_CLS_NAME}', the argument 'network' must return a scalar loss or a tuple (loss_sum, count) of two "
+            f"scalars (e.g. the sum of a masked token loss and the number of valid tokens), but it returned a tuple "
+            f"of {len(shapes)} element(s) with shapes {shapes}.")
 
 
 def split_batch(inputs: tuple, micro_size: int) -> Tuple:
-    """Reshape every input from ``(B, ...)`` to ``(micro_size, B // micro_size, ...)``; no copy of rows is lost."""
+    """Every input split along axis 0 following :func:`plan`: ``((split inputs, count, rows), ...)``.
+
+    Each part's inputs are reshaped from ``(count * rows, ...)`` to ``(count, rows, ...)``; no row is dropped.
+    """
     first_shape = inputs[0].shape
-    split = ()
     for index, x in enumerate(inputs):
         check_input_shape(index, x.shape, first_shape, micro_size)
-        split += (x.reshape((micro_size, x.shape[0] // micro_size) + x.shape[1:]),)
-    return split
+    parts = ()
+    start = 0
+    for count, rows in plan(first_shape[0], micro_size):
+        split = ()
+        for x in inputs:
+            part = x[start:start + count * rows] if count * rows != first_shape[0] else x
+            split += (part.reshape((count, rows) + x.shape[1:]),)
+        parts += ((split, count, rows),)
+        start += count * rows
+    return parts
 
 
 def micro_batch(split: tuple, i) -> Tuple:

@@ -8,9 +8,11 @@ from mindspore.common import dtype as mstype
 from mindspore import Tensor
 
 from ms_gradaccum import _buffers, _loss_scale
-from ms_gradaccum._cell import GradAccumulationCell, _MicroBatchGradients, _ScaledLoss, _TupleInputs
+from ms_gradaccum._cell import GradAccumulationCell
+from ms_gradaccum._loop import MicroBatchGradients, ScaledLoss
+from ms_gradaccum._reduce import TokenTotals
 from ms_gradaccum._validation import (argument_error, check_cell, check_has_trainable_params,
-                                      check_positive_int)
+                                      check_positive_int, warn_batch_norm)
 
 _NAME = "AccumulatingTrainOneStepCell"
 
@@ -129,26 +131,29 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         scale = None if scale_sense is None else _loss_scale.scale_parameter(scale_sense, _NAME)
         check_has_trainable_params(network, "network", _NAME)
         micro = _micro_batch_cell(network)
+        if micro is None and accumulate_steps > 1:
+            warn_batch_norm(network, _NAME, f"accumulate_steps={accumulate_steps} batches per optimizer step")
         if scale is not None and float(getattr(optimizer, "loss_scale", 1.0)) != 1.0:
             raise ValueError(
                 f"For '{_NAME}', the optimizer's loss_scale must be 1.0 when 'scale_sense' is given (this cell "
                 f"unscales the gradients itself, and the optimizer would divide them again), but got "
                 f"{optimizer.loss_scale}. Create the optimizer without loss_scale.")
         super().__init__(network, optimizer)
-        self.loss_of_inputs = _TupleInputs(network)
         # A GradAccumulationCell network is not differentiated through its surrogate: its micro-batch loop runs
         # here directly, with this cell's live loss scale, into this cell's buffers.
         self.split_micro_batches = micro is not None
         if self.split_micro_batches:
-            self.micro_batch_gradients = _MicroBatchGradients(micro.network, self.weights, micro.micro_size)
-            self.micro_size = micro.micro_size
-        self.scaled_loss = _ScaledLoss(network)
+            self.micro_batch_gradients = MicroBatchGradients(micro.network, self.weights, micro.micro_size)
+        self.scaled_loss = ScaledLoss(network)
+        self.token_totals = TokenTotals()
         self.grad_sums = _buffers.gradient_buffers(self.weights)
         self.window_position = _buffers.state_scalar("window_position", 0)
         self.epoch_position = _buffers.state_scalar("epoch_position", 0)
         self.accumulate_steps = _buffers.state_scalar("accumulate_steps", accumulate_steps)
         self.steps_per_epoch = _buffers.state_scalar("steps_per_epoch", steps_per_epoch or 0)
         self.window_loss_sum = _buffers.state_scalar("window_loss_sum", 0.0, mstype.float32)
+        # For (loss_sum, count) networks: the window's count (stays 0 for mean losses).
+        self.window_count = _buffers.state_scalar("window_count", 0.0, mstype.float32)
         self.window_loss = _buffers.state_scalar("last_window_loss", float("nan"), mstype.float32)
         self.hyper_map = ops.HyperMap()
         self.loss_scaled = scale is not None
@@ -166,34 +171,49 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     def construct(self, *inputs):
         scale = self._scale()
         if self.split_micro_batches:
-            loss, sums = self.micro_batch_gradients(ms.mutable(inputs), scale)
-            grads = _buffers.divided(self.hyper_map, sums, self.micro_size)
+            result = self.micro_batch_gradients(ms.mutable(inputs), scale)
+            grads, loss = result[0], result[1]
+            extra = result[2:]
         else:
-            scaled, grads = ms.value_and_grad(self.scaled_loss, None, self.weights)(inputs, scale)
-            loss = scaled / scale
-        loss = ops.depend(loss, _buffers.add_into(self.hyper_map, self.grad_sums, grads))
-        loss = ops.depend(loss, ops.assign_add(self.window_loss_sum, ops.cast(loss, mstype.float32)))
-        loss = ops.depend(loss, ops.assign_add(self.window_position, ops.ones((), mstype.int32)))
-        loss = ops.depend(loss, ops.assign_add(self.epoch_position, ops.ones((), mstype.int32)))
+            out, grads = ms.value_and_grad(self.scaled_loss, None, self.weights)(inputs, scale)
+            loss = out[1]
+            extra = out[2:]
+        token = len(extra) == 1
+        # What is returned per call: the batch's mean loss (its token mean for a (loss_sum, count) network).
+        batch_loss = loss
+        if token:
+            count = extra[0]
+            batch_loss = ops.depend(loss / count, ops.assign_add(self.window_count, count))
+        batch_loss = ops.depend(batch_loss, _buffers.add_into(self.hyper_map, self.grad_sums, grads))
+        batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_loss_sum, loss))
+        batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_position, ops.ones((), mstype.int32)))
+        batch_loss = ops.depend(batch_loss, ops.assign_add(self.epoch_position, ops.ones((), mstype.int32)))
         epoch_end = ops.logical_and(self.steps_per_epoch > 0, self.epoch_position >= self.steps_per_epoch)
         if epoch_end:
-            loss = ops.depend(loss, ops.assign(self.epoch_position, ops.zeros((), mstype.int32)))
+            batch_loss = ops.depend(batch_loss, ops.assign(self.epoch_position, ops.zeros((), mstype.int32)))
         overflow = Tensor(False, mstype.bool_)
         if ops.logical_or(self.window_position >= self.accumulate_steps, epoch_end):
-            overflow = self._apply_window()
+            overflow = self._apply_window(token)
         if self.loss_scaled:
-            return loss, overflow, ops.depend(self._scale(), overflow)
-        return ops.depend(loss, overflow)
+            return batch_loss, overflow, ops.depend(self._scale(), overflow)
+        return ops.depend(batch_loss, overflow)
 
-    def _apply_window(self):
+    def _apply_window(self, token):
         """Optimizer step with the window's mean gradient, reduced across devices once; then reset.
 
-        Returns whether the window overflowed (its step skipped). Order: mean of the window, reduced across
+        Returns whether the window overflowed (its step skipped). Order: mean of the window (over its
+        batches, or over its tokens for a (loss_sum, count) network, counted on every device), reduced across
         devices, unscaled, all in float32; overflow is judged on that reduced gradient, so every device
         decides the same; the scale is updated once; clipping and the optimizer run only on a finite gradient.
         """
-        count = self.window_position
-        mean = _buffers.mean_of(self.hyper_map, self.grad_sums, count)
+        if token:
+            loss_sum, count, factor = self.token_totals(self.window_loss_sum, self.window_count)
+            mean = _buffers.divided(self.hyper_map, self.grad_sums, count / factor)
+            window_loss = loss_sum / count
+        else:
+            count = ops.cast(self.window_position, mstype.float32)
+            mean = _buffers.mean_of(self.hyper_map, self.grad_sums, self.window_position)
+            window_loss = self.window_loss_sum / count
         mean = self.grad_reducer(mean)
         overflow = Tensor(False, mstype.bool_)
         if self.loss_scaled:
@@ -208,21 +228,30 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
             stepped = ops.depend(stepped, self.optimizer(_buffers.cast_like(self.hyper_map, mean, self.weights)))
         # A scalar that exists only once the optimizer has run (or was skipped): resets depend on it.
         done = ops.depend(ops.zeros((), mstype.int32), stepped)
-        done = ops.depend(done, ops.assign(self.window_loss, self.window_loss_sum / ops.cast(count, mstype.float32)))
+        done = ops.depend(done, ops.assign(self.window_loss, window_loss))
         done = ops.depend(done, _buffers.clear(self.hyper_map, self.grad_sums, done))
         done = ops.depend(done, ops.assign(self.window_loss_sum, ops.cast(done, mstype.float32)))
+        done = ops.depend(done, ops.assign(self.window_count, ops.cast(done, mstype.float32)))
         done = ops.depend(done, ops.assign(self.window_position, done))
         return ops.depend(overflow, done)
 
     @ms.jit
+    def _flush_tokens_graph(self):
+        return self._apply_window(True)
+
+    @ms.jit
     def _flush_graph(self):
-        return self._apply_window()
+        return self._apply_window(False)
 
     def flush(self) -> bool:
         """Apply a pending partial window now (e.g. at the end of a hand-written loop); True if there was one."""
         if self.pending_batches == 0:
             return False
-        self._flush_graph()
+        # Only a (loss_sum, count) network leaves a count: the window is then divided by it.
+        if float(self.window_count.asnumpy()) > 0:
+            self._flush_tokens_graph()
+        else:
+            self._flush_graph()
         return True
 
     @property

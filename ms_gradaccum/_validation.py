@@ -4,6 +4,7 @@ Every message reads like MindSpore's own:
 ``For 'GradAccumulationCell', the argument 'micro_size' must be a positive int, but got True (bool).``
 """
 import numbers
+import warnings
 from typing import Any
 
 from mindspore import nn
@@ -53,3 +54,27 @@ def check_has_trainable_params(network: nn.Cell, arg_name: str, cls_name: str) -
             f"but {type(network).__name__} has none (all parameters have requires_grad=False, or there are none). "
             f"Accumulating gradients of nothing would silently train nothing.")
     return params
+
+
+def batch_norm_cells(network: nn.Cell) -> list:
+    """Names (and types) of the cells of ``network`` that keep batch statistics: BatchNorm of any dimension,
+    SyncBatchNorm, or any cell with a ``moving_mean`` / ``moving_variance`` parameter."""
+    found = []
+    for name, cell in network.cells_and_names():
+        own = [param.name for param in cell.get_parameters(expand=False)]
+        if isinstance(cell, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)) or any(
+                param.split(".")[-1] in ("moving_mean", "moving_variance") for param in own):
+            found.append(f"{name or '<network>'} ({type(cell).__name__})")
+    return found
+
+
+def warn_batch_norm(network: nn.Cell, cls_name: str, split: str) -> None:
+    """One UserWarning naming the batch-normalisation cells, what differs from the full batch, and what to do."""
+    cells = batch_norm_cells(network)
+    if cells:
+        warnings.warn(
+            f"{cls_name}: the network has batch normalisation ({', '.join(cells)}). With {split}, its statistics are "
+            f"computed per part instead of over the full batch, and its moving averages are updated once per part, "
+            f"so training is not equivalent to the full batch. Use GroupNorm or LayerNorm, or a larger part so the "
+            f"statistics are close; silence this with warnings.filterwarnings('ignore', message='{cls_name}: the "
+            f"network has batch normalisation').", UserWarning, stacklevel=3)

@@ -132,3 +132,45 @@ def assert_params_moved(after: Params, before: Params, *, min_change: float = 1e
 
 def set_graph_mode() -> None:
     ms.set_context(mode=ms.GRAPH_MODE)
+
+
+# --- token-normalised losses ---------------------------------------------------------------------------
+
+TOKENS, FEATURES = 6, 8
+
+
+class TokenLoss(nn.Cell):
+    """A per-token classifier whose loss is normalised by the number of valid (mask = 1) tokens.
+
+    ``mode="sum_count"`` returns ``(sum of masked token losses, number of valid tokens)``, the contract of
+    GradAccumulationCell for token losses; ``mode="mean"`` returns their ratio (the full-batch reference, and,
+    inside an accumulation cell, the mean-of-means bug used as the negative control).
+    """
+
+    def __init__(self, net: nn.Cell, mode: str = "sum_count"):
+        super().__init__(auto_prefix=False)
+        self.net = net
+        self.mode = mode
+        self.cross_entropy = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="none")
+
+    def construct(self, x, y, mask):
+        logits = self.net(x.reshape(-1, x.shape[-1]))
+        per_token = self.cross_entropy(logits, y.reshape(-1)) * mask.reshape(-1)
+        if self.mode == "mean":
+            return per_token.sum() / mask.sum()
+        return per_token.sum(), mask.sum()
+
+
+def make_token_net(seed: int = 0) -> nn.Cell:
+    return make_mlp(seed, in_dim=FEATURES)
+
+
+def token_batches(steps: int, valid_per_sample, seed: int = 3) -> List[tuple]:
+    """``steps`` batches of (x, y, mask); sample i has ``valid_per_sample[i]`` valid tokens (uneven counts)."""
+    rng = np.random.RandomState(seed)
+    batch = len(valid_per_sample)
+    mask = np.zeros((batch, TOKENS), np.float32)
+    for i, valid in enumerate(valid_per_sample):
+        mask[i, :valid] = 1.0
+    return [(rng.randn(batch, TOKENS, FEATURES).astype(np.float32),
+             rng.randint(0, 4, (batch, TOKENS)).astype(np.int32), mask.copy()) for _ in range(steps)]

@@ -3,7 +3,8 @@ import re
 
 import numpy as np
 import pytest
-from mindspore import nn, Tensor
+import mindspore as ms
+from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import GradAccumulationCell
 from helpers import make_mlp
@@ -57,16 +58,6 @@ def _data(batch, classes=4):
     return Tensor(rng.randn(batch, 16).astype(np.float32)), Tensor(rng.randint(0, classes, batch).astype(np.int32))
 
 
-def test_validation_batch_not_divisible_rejected_with_fix():
-    cell = GradAccumulationCell(_loss_net(), 4)
-    x, y = _data(30)
-    expected = ("For 'GradAccumulationCell', the batch size of input 0 (shape (30, 16)) must be divisible by "
-                "micro_size=4, but 30 % 4 = 2. Rows are never dropped: either batch the dataset with "
-                "drop_remainder=True and a batch size divisible by 4, or choose a micro_size that divides 30")
-    with pytest.raises(ValueError, match=re.escape(expected)):
-        cell(x, y)
-
-
 def test_validation_batch_sizes_differ_rejected():
     cell = GradAccumulationCell(_loss_net(), 2)
     x, _ = _data(8)
@@ -110,3 +101,30 @@ def test_validation_input_without_batch_axis_rejected():
     x, _ = _data(8)
     with pytest.raises(ValueError, match=re.escape("input 1 has shape () but every input must have a batch axis 0")):
         cell(x, Tensor(np.float32(2.0)))
+
+
+class _TupleLoss(nn.Cell):
+    """Returns the tuple it is told to: (loss, count, extra) or (per-sample loss, count)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.net = make_mlp()
+        self.kind = kind
+
+    def construct(self, x, y):
+        per_sample = self.net(x).mean(axis=1)
+        if self.kind == "three":
+            return per_sample.sum(), ops.ones((), ms.float32), per_sample.mean()
+        return per_sample, ops.ones((), ms.float32)
+
+
+@pytest.mark.parametrize("kind, described", [("three", "a tuple of 3 element(s) with shapes ((), (), ())"),
+                                             ("vector", "a tuple of 2 element(s) with shapes ((4,), ())")])
+def test_validation_other_tuple_outputs_rejected(kind, described):
+    cell = GradAccumulationCell(_TupleLoss(kind), 2)
+    x, y = _data(8)
+    expected = ("For 'GradAccumulationCell', the argument 'network' must return a scalar loss or a tuple (loss_sum, "
+                "count) of two scalars (e.g. the sum of a masked token loss and the number of valid tokens), but it "
+                f"returned {described}.")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        cell(x, y)
