@@ -4,7 +4,7 @@ from mindspore import nn, ops, Tensor, ParameterTuple
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _loss_scale
-from ms_gradaccum._loop import MicroBatchGradients
+from ms_gradaccum._loop import MicroBatchGradients, PrecisionNeutral
 from ms_gradaccum._reduce import TokenTotals
 from ms_gradaccum._parallel import ParallelPassAccumulation, parallel_pass_mode
 from ms_gradaccum._validation import check_cell, check_has_trainable_params, check_positive_int, warn_batch_norm
@@ -16,7 +16,7 @@ _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
 
 
-class GradAccumulationCell(nn.Cell):
+class GradAccumulationCell(PrecisionNeutral):
     r"""
     Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
 

@@ -11,6 +11,24 @@ from mindspore.ops.primitive import _primexpr
 from ms_gradaccum._microbatch import check_loss_shape, check_loss_tuple, micro_batch, split_batch
 
 
+_PRECISION_FLAGS = ("fp16", "fp32", "bf16")
+
+
+class PrecisionNeutral(nn.Cell):
+    """A cell of this package's machinery that ``to_float`` / amp levels pass through to the user's network.
+
+    ``Cell.to_float`` (what ``Model``'s ``amp_level="O2"/"O3"`` calls) flags every cell in the tree, and a
+    flagged cell casts every float tensor it handles, including the float32 loop-carried sums and the loss
+    scale, which breaks the loop ("Type Join Failed: Float32, Float16"). The network inside keeps its flags.
+    """
+
+    def add_flags_recursive(self, **flags):
+        self.add_flags(**{key: value for key, value in flags.items() if key not in _PRECISION_FLAGS})
+        for cell in self.cells():
+            cell.add_flags_recursive(**flags)
+        return self
+
+
 @_primexpr
 def accumulation_dtype(dtype):
     """Sum low-precision gradients in float32 so K micro-batches cannot overflow or lose the small terms."""
@@ -19,7 +37,7 @@ def accumulation_dtype(dtype):
     return dtype
 
 
-class TupleInputs(nn.Cell):
+class TupleInputs(PrecisionNeutral):
     """Calls ``network(*inputs)`` with the inputs packed in one tuple.
 
     ``mindspore.value_and_grad`` rejects a network whose ``construct`` takes ``*inputs`` in graph mode
@@ -34,7 +52,7 @@ class TupleInputs(nn.Cell):
         return self.network(*inputs)
 
 
-class ScaledLoss(nn.Cell):
+class ScaledLoss(PrecisionNeutral):
     """``(loss * scale, loss)``, or ``(loss_sum * scale, loss_sum, count)`` for a ``(loss_sum, count)`` network.
 
     Only the first output carries a gradient (the others are behind ``stop_gradient``), so differentiating
@@ -62,7 +80,7 @@ class ScaledLoss(nn.Cell):
         return loss * scale, ops.stop_gradient(loss)
 
 
-class MicroBatchGradients(nn.Cell):
+class MicroBatchGradients(PrecisionNeutral):
     """Runs the micro-batches one after another and sums their scaled gradients (float32 for float16/bfloat16).
 
     Returns, for a network returning a mean loss: ``(mean scaled gradient, mean loss)``, each micro-batch

@@ -7,12 +7,13 @@ across devices in one 2-element all-reduce, and says by how much the local gradi
 that the wrapper's reduction gives the global token mean.
 """
 import mindspore as ms
-from mindspore import nn, ops
-from mindspore.common import dtype as mstype
+from mindspore import ops
 from mindspore.communication import get_group_size
 
+from ms_gradaccum._loop import PrecisionNeutral
 
-class TokenTotals(nn.Cell):
+
+class TokenTotals(PrecisionNeutral):
     """``(global loss_sum, global count, gradient factor)`` from this device's sums.
 
     The factor is the device count when the gradients are averaged across devices (``gradients_mean=True``)
