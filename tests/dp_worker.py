@@ -19,11 +19,13 @@ from mindspore.communication import get_group_size, get_rank, init
 from mindspore.train import Model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import RecordLoss, classification_batches, classification_dataset, make_mlp, make_optimizer, params_of  # noqa: E402
+from helpers import (RecordLoss, TokenLoss, classification_batches, classification_dataset, make_mlp,  # noqa: E402
+                     make_optimizer, make_token_net, params_of, token_batches)
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # noqa: E402
 
 STEPS, BATCH, MICRO_SIZE = 3, 16, 4  # per-rank batch
 CLIP_SCALE, MAX_GRAD_NORM = 1024.0, 0.05
+TOKEN_VALID = ([1, 1, 6, 6, 2, 2, 5, 5], [3] * 8)   # per rank: different token counts, uneven micro-batches
 
 
 def _loss_fn():
@@ -64,13 +66,28 @@ def train(out_dir: str, rank: int, group: int) -> None:
         make_optimizer("sgd", clip_net.trainable_params()), 1, scale_sense=CLIP_SCALE, max_grad_norm=MAX_GRAD_NORM)
     clip_losses = [float(clip_cell(Tensor(x), Tensor(y))[0].asnumpy()) for x, y in loop_batches]
 
+    # Token losses with different token counts on each rank: GradAccumulationCell and AccumulatingTrainOneStepCell.
+    token_data = token_batches(4, TOKEN_VALID[rank], seed=10 + rank)
+    token_net = make_token_net()
+    token_step = nn.TrainOneStepCell(GradAccumulationCell(TokenLoss(token_net), MICRO_SIZE),
+                                     make_optimizer("sgd", token_net.trainable_params()))
+    token_losses = [float(token_step(*(Tensor(a) for a in batch)).asnumpy()) for batch in token_data]
+    window_net = make_token_net()
+    window_cell = AccumulatingTrainOneStepCell(TokenLoss(window_net), make_optimizer("sgd", window_net.trainable_params()), 2)
+    for batch in token_data:
+        window_cell(*(Tensor(a) for a in batch))
+
     arrays = {"model_losses": np.array(record.losses), "loop_losses": np.array(loop_losses),
-              "steps_losses": np.array(steps_losses), "clip_losses": np.array(clip_losses)}
+              "steps_losses": np.array(steps_losses), "clip_losses": np.array(clip_losses),
+              "token_losses": np.array(token_losses), "window_last_loss": np.array(window_cell.last_window_loss)}
+    for name, index in (("x", 0), ("y", 1), ("mask", 2)):
+        arrays[f"token_{name}"] = np.stack([batch[index] for batch in token_data])
     for prefix, batches in (("model", model_batches), ("loop", loop_batches), ("steps", steps_batches)):
         arrays[f"{prefix}_x"] = np.stack([x for x, _ in batches])
         arrays[f"{prefix}_y"] = np.stack([y for _, y in batches])
     for prefix, values in (("initial", initial), ("model_param", params_of(net)), ("loop_param", params_of(loop_net)),
-                           ("steps_param", params_of(steps_net)), ("clip_param", params_of(clip_net))):
+                           ("steps_param", params_of(steps_net)), ("clip_param", params_of(clip_net)),
+                           ("token_param", params_of(token_net)), ("window_param", params_of(window_net))):
         arrays.update({f"{prefix}:{name}": value for name, value in values.items()})
     np.savez(os.path.join(out_dir, f"rank_{rank}.npz"), **arrays)
 

@@ -10,8 +10,8 @@ from mindspore import nn, ops, Tensor
 
 from dp_worker import MAX_GRAD_NORM
 
-from helpers import (assert_params_close, assert_params_moved, make_mlp, make_optimizer, max_abs_diff,
-                     train_steps, params_of)
+from helpers import (TokenLoss, assert_params_close, assert_params_moved, make_mlp, make_optimizer, make_token_net,
+                     max_abs_diff, train_steps, params_of)
 from launch import msrun
 from test_loss_scale import _ClippedStep, _ce
 
@@ -132,6 +132,58 @@ def test_data_parallel_clipping_after_all_reduce_matches_single_process(data_par
         assert_params_close(params_of(control_net), params_of(net), rtol=1e-5, atol=1e-6)
 
 
+def _global_token_batches(ranks, steps):
+    return [tuple(np.concatenate([r[f"token_{name}"][s] for r in ranks]) for name in ("x", "y", "mask"))
+            for s in steps]
+
+
+def _token_reference(batches, mode="mean"):
+    net = make_token_net()
+    losses = train_steps(nn.TrainOneStepCell(TokenLoss(net, mode), make_optimizer("sgd", net.trainable_params())),
+                         batches)
+    return params_of(net), losses
+
+
+def test_data_parallel_token_loss_is_the_global_token_mean(data_parallel):
+    # Ranks with 28 and 24 valid tokens per batch: one process on the concatenated batch, divided by all 52.
+    steps = range(len(data_parallel[0]["token_x"]))
+    expected, expected_losses = _token_reference(_global_token_batches(data_parallel, steps))
+    rank0, rank1 = (_params(r, "token_param") for r in data_parallel)
+    assert_params_close(rank1, rank0, rtol=0, atol=0)
+    assert_params_moved(rank0, params_of(make_token_net()))
+    assert_params_close(rank0, expected, rtol=1e-5, atol=1e-6)
+    for rank in data_parallel:      # every rank reports the global token mean
+        np.testing.assert_allclose(rank["token_losses"], expected_losses, rtol=1e-5)
+
+    # Negative control: the mean of the per-rank token means (each rank normalising by its own count).
+    control_net = make_token_net()
+    control = nn.TrainOneStepCell(_MeanOfRankMeans(control_net), make_optimizer("sgd", control_net.trainable_params()))
+    for s in steps:
+        control(*(Tensor(r[f"token_{name}"][s]) for r in data_parallel for name in ("x", "y", "mask")))
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(params_of(control_net), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_token_windows_divide_by_the_global_window_count(data_parallel):
+    steps = range(len(data_parallel[0]["token_x"]))
+    global_batches = _global_token_batches(data_parallel, steps)
+    windows = [tuple(np.concatenate(parts) for parts in zip(global_batches[i], global_batches[i + 1])) for i in (0, 2)]
+    expected, expected_losses = _token_reference(windows)
+    actual = _params(data_parallel[0], "window_param")
+    assert_params_close(_params(data_parallel[1], "window_param"), actual, rtol=0, atol=0)
+    assert_params_close(actual, expected, rtol=1e-5, atol=1e-6)
+    assert float(data_parallel[0]["window_last_loss"]) == pytest.approx(expected_losses[-1], rel=1e-5)
+
+
+class _MeanOfRankMeans(nn.Cell):
+    def __init__(self, net):
+        super().__init__(auto_prefix=False)
+        self.loss = TokenLoss(net, "mean")
+
+    def construct(self, x0, y0, m0, x1, y1, m1):
+        return (self.loss(x0, y0, m0) + self.loss(x1, y1, m1)) / 2
+
+
 def test_data_parallel_without_data_parallel_mode_ranks_diverge(stand_alone):
     # Negative control: the same launch without DATA_PARALLEL reduces nothing, so the ranks drift apart
     # and neither equals the global-batch reference.
@@ -158,7 +210,8 @@ def test_data_parallel_all_reduces_per_step_do_not_grow_with_micro_size(tmp_path
     assert plain == [6] * RANKS
     assert _all_reduce_counts(out, "micro_2") == plain
     assert _all_reduce_counts(out, "micro_8") == plain
-    # Control: a collective inside the loop (here in the forward) shows up in the count.
-    assert _all_reduce_counts(out, "control_micro_2") == [7] * RANKS
+    # Control: a collective inside the micro-batch forward shows up in the count, in both compiled copies of the
+    # network (micro-batch 0, run before the loop, and the loop body).
+    assert _all_reduce_counts(out, "control_micro_2") == [8] * RANKS
     # AccumulatingTrainOneStepCell: the reducer sits only in the window-closing branch, once per weight.
     assert _all_reduce_counts(out, "steps_4") == plain
