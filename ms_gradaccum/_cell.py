@@ -54,27 +54,30 @@ class GradAccumulationCell(PrecisionNeutral):
     loop over micro-batches is a graph-mode ``while`` loop, so compile time does not grow with ``micro_size``.
 
     Equivalence with full-batch training holds when the loss is a mean over the batch and the network treats
-    samples independently. It does not hold for BatchNorm (statistics are per micro-batch, and moving
-    averages are updated ``micro_size`` times per step) or dropout (different random masks).
+    samples independently, or when `network` returns ``(loss_sum, count)`` (e.g. a masked token loss and the
+    number of valid tokens): then the gradient is that of ``sum(loss_sum) / sum(count)`` over the whole batch
+    (and over all devices under data parallel, the count being summed once per step). It does not hold for
+    BatchNorm (statistics are per micro-batch, and moving averages are updated ``micro_size`` times per step;
+    a ``UserWarning`` at construction names such cells) or dropout (different random masks).
 
     Args:
         network (Cell): A cell returning a scalar loss, e.g. ``nn.WithLossCell(net, loss_fn)``, or any loss
-            cell taking one or more tensor inputs (data, label, sample weight, ...). Every input is split
-            along axis 0.
+            cell taking one or more tensor inputs (data, label, sample weight, ...); or a cell returning
+            ``(loss_sum, count)``, two scalars. Every input is split along axis 0.
         micro_size (int): The NUMBER of micro-batches each batch is split into (not the size of one; the name
-            is MindSpore's). The batch size of every input must be divisible by it.
+            is MindSpore's). Any batch size works: a batch not divisible by it is split as evenly as possible
+            (sizes differing by at most one row) and each micro-batch is weighted by its rows.
         loss_scale (Union[None, float, Tensor, Parameter]): The loss scale of the micro-batch backward passes.
             ``None``: that of the train cell wrapping this one (1.0 if none). A number or scalar Tensor: fixed.
             A Parameter is read live at every step, e.g. ``mindspore.amp.DynamicLossScaler(...).scale_value`` in
             a functional training step. Default: ``None``.
 
     Inputs:
-        - **\*inputs** (Tensor) - The inputs of `network`, all with the same batch size :math:`B` on axis 0,
-          :math:`B` divisible by `micro_size`.
+        - **\*inputs** (Tensor) - The inputs of `network`, all with the same batch size :math:`B` on axis 0.
 
     Outputs:
-        Tensor, a float32 scalar: the mean of the micro-batch losses, i.e. the full-batch loss for a
-        mean-reduced loss. ``LossMonitor`` prints this number.
+        Tensor, a float32 scalar: the full-batch loss, i.e. the row-weighted mean of the micro-batch losses, or
+        ``sum(loss_sum) / sum(count)`` for a ``(loss_sum, count)`` network. ``LossMonitor`` prints this number.
 
     Raises:
         TypeError: If `network` is not a Cell, `micro_size` is not an int (bool included), or `loss_scale` is
@@ -83,8 +86,8 @@ class GradAccumulationCell(PrecisionNeutral):
             parameter.
         ValueError: At graph compile time, if the wrapping train cell changes its loss scale while training
             (``nn.TrainOneStepWithLossScaleCell`` with a ``DynamicLossScaleUpdateCell``); the message gives the fix.
-        ValueError: At graph compile time, if an input has no batch axis, the inputs' batch sizes differ,
-            a batch size is not divisible by `micro_size`, or `network` returns a non-scalar loss.
+        ValueError: At graph compile time, if an input has no batch axis or an empty one, the inputs' batch sizes
+            differ, or `network` returns neither a scalar loss nor a tuple of two scalars.
 
     Supported Platforms:
         ``CPU``
