@@ -6,6 +6,7 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
   KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
              | mindspore (nn.GradAccumulationCell inside nn.TrainOneStepCell) | steps
              (AccumulatingTrainOneStepCell, MICRO_SIZE calls of BATCH / MICRO_SIZE per optimizer step)
+             | tokens (GradAccumulationCell, MICRO_SIZE, on a network returning (loss_sum, count))
              | plain_o2 | accumulate_o2 (the same in mixed precision: amp O2 float16 compute, float32
              weights, loss scale 2**10 as Model's FixedLossScaleManager applies it)
              torch: plain | accumulate (the standard loop: loss / K, backward per micro-batch, one step)
@@ -22,6 +23,23 @@ import numpy as np
 
 MLP_IN, CLASSES = 64, 10
 MIXED_PRECISION_SCALE = 2.0 ** 10
+
+
+def _SumAndCount(net):  # pylint: disable=invalid-name
+    """``(sum of per-sample losses, number of samples)``: the (loss_sum, count) contract on the same loss."""
+    from mindspore import nn, ops
+    from mindspore.common import dtype as mstype
+
+    class SumAndCount(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+            self.loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="none")
+
+        def construct(self, x, y):
+            per_sample = self.loss_fn(self.net(x), y)
+            return per_sample.sum(), ops.cast(ops.size(per_sample), mstype.float32)
+    return SumAndCount()
 
 
 def _Float32Loss(loss_fn):  # pylint: disable=invalid-name
@@ -81,6 +99,8 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         net = ms.amp.auto_mixed_precision(net, "O2")
         loss_fn = _Float32Loss(loss_fn)
     loss_net = nn.WithLossCell(net, loss_fn)
+    if kind == "tokens":   # the same loss as a sum and a count: the token path's bookkeeping, nothing else
+        kind, loss_net = "accumulate", _SumAndCount(net)
     optimizer = nn.SGD(net.trainable_params(), 0.01, loss_scale=sens or 1.0)
     if kind == "steps":
         cell = AccumulatingTrainOneStepCell(loss_net, optimizer, micro_size)

@@ -18,7 +18,8 @@ def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
     kinds = {(row["framework"], row["kind"], row["micro_size"], row["batch"]) for row in result["rows"]}
     assert {("mindspore", "plain", 1, 4096), ("mindspore", "plain", 1, 512), ("mindspore", "accumulate", 8, 4096),
             ("mindspore", "mindspore", 8, 4096), ("mindspore", "steps", 8, 4096),
-            ("mindspore", "plain_o2", 1, 4096), ("mindspore", "accumulate_o2", 8, 4096)} <= kinds
+            ("mindspore", "plain_o2", 1, 4096), ("mindspore", "accumulate_o2", 8, 4096),
+            ("mindspore", "tokens", 8, 4096)} <= kinds
     assert any(kind[0] == "torch" for kind in kinds) == (importlib.util.find_spec("torch") is not None)
     for row in result["rows"]:
         assert row["steady_step_s"] > 0 and row["rss_peak_mb"] > 0
@@ -26,5 +27,6 @@ def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
             assert row["pool_peak_mb"] > 0, row
     assert len(result["targets"]) >= 5
     assert any(line.startswith("mlp: fp16 (O2, loss scale) K=8 vs fp16 full batch") for line in result["targets"])
+    assert any(line.startswith("mlp: token path (loss_sum, count) vs mean loss") for line in result["targets"])
     assert "| mlp | GradAccumulationCell K=8 |" in done.stdout
     assert (tmp_path / "benchmark_mlp.png").stat().st_size > 10_000
