@@ -5,19 +5,41 @@
 #   bash run.sh            # 8 workers
 #   bash run.sh 2          # 2 workers
 #   bash run.sh 1 --epochs 2   # arguments after N go to train.py
+#   bash run.sh 2 --check      # the equivalence check instead of training: exit 0 on PASS
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=8118 bash run.sh 8   # on each node: 16 workers
 #
 # Environment: DATA_PATH (MNIST in idx format; default: built-in digits), DEVICE_TARGET (CPU|GPU|Ascend,
-# default CPU), LAUNCHER (mpirun|msrun, default: mpirun when installed and working, else msrun),
-# RUN_TIMEOUT (seconds for the whole job, default 1800), LOG_DIR (default log_output).
+# default CPU), LAUNCHER (mpirun|msrun|cluster; default: cluster for several nodes, else mpirun when
+# installed and working, else msrun), RUN_TIMEOUT (seconds for the whole job, default 1800), LOG_DIR
+# (default log_output). Several nodes (names as torchrun's): NNODES (default 1), NODE_RANK (0..NNODES-1),
+# MASTER_ADDR (node 0's address, default 127.0.0.1), MASTER_PORT (default: a free local port; required
+# with NNODES > 1); N is the number of workers on this node. HOSTFILE: passed to mpirun (--hostfile),
+# which then starts all NNODES x N workers from node 0.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 workers="${1:-8}"
 [ $# -gt 0 ] && shift
+usage="Usage: [NNODES=.. NODE_RANK=.. MASTER_ADDR=.. MASTER_PORT=..] bash run.sh [N] [train.py args...]"
+fail_usage() { echo "run.sh: $1 $usage" >&2; exit 2; }
 if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
-  echo "run.sh: the number of workers must be a positive integer, but got '$workers'. Usage: bash run.sh [N] [train.py args...]" >&2
-  exit 2
+  fail_usage "the number of workers must be a positive integer, but got '$workers'."
 fi
+nnodes="${NNODES:-1}"
+node_rank="${NODE_RANK:-0}"
+master_addr="${MASTER_ADDR:-127.0.0.1}"
+[[ "$nnodes" =~ ^[0-9]+$ ]] && [ "$nnodes" -ge 1 ] || fail_usage "NNODES must be a positive integer, but got '$nnodes'."
+[[ "$node_rank" =~ ^[0-9]+$ ]] || fail_usage "NODE_RANK must be a non-negative integer, but got '$node_rank'."
+[ "$node_rank" -lt "$nnodes" ] || fail_usage "NODE_RANK must be less than NNODES=$nnodes, but got '$node_rank'."
+if [ -n "${MASTER_PORT:-}" ]; then
+  if ! [[ "$MASTER_PORT" =~ ^[0-9]+$ ]] || [ "$MASTER_PORT" -lt 1 ] || [ "$MASTER_PORT" -gt 65535 ]; then
+    fail_usage "MASTER_PORT must be an integer from 1 to 65535, but got '$MASTER_PORT'."
+  fi
+elif [ "$nnodes" -gt 1 ]; then
+  fail_usage "MASTER_PORT must be set (the same on every node) when NNODES=$nnodes > 1."
+fi
+checking=0
+for arg in "$@"; do [ "$arg" = "--check" ] && checking=1; done
 device_target="${DEVICE_TARGET:-CPU}"
 run_timeout="${RUN_TIMEOUT:-1800}"
 log_dir="${LOG_DIR:-log_output}"
@@ -35,6 +57,8 @@ if [ -z "${DATA_PATH:-}" ]; then
 from builtin_digits import ensure_digits_mnist; print(ensure_digits_mnist())")"
 fi
 export DATA_PATH
+# Bad train.py arguments fail here, with argparse's message and exit code 2, before anything is launched.
+"$python" "$script" --validate-only "$@" >/dev/null || exit 2
 export GLOG_v="${GLOG_v:-3}"            # MindSpore: errors only, keeps the per-rank logs readable
 export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-10}"   # a dead rank is noticed in seconds, not minutes
 
@@ -47,29 +71,39 @@ mpirun_works() {
 
 launcher="${LAUNCHER:-}"
 if [ -z "$launcher" ]; then
-  if mpirun_works; then launcher=mpirun; else launcher=msrun; fi
+  if [ "$nnodes" -gt 1 ]; then launcher=cluster; elif mpirun_works; then launcher=mpirun; else launcher=msrun; fi
+fi
+total=$((workers * nnodes))
+first_rank=$((node_rank * workers))
+if [ "$launcher" = mpirun ] && [ "$nnodes" -gt 1 ]; then
+  [ -n "${HOSTFILE:-}" ] || fail_usage "with LAUNCHER=mpirun and NNODES=$nnodes, set HOSTFILE (mpirun starts every node's workers)."
+  [ "$node_rank" -eq 0 ] || fail_usage "with LAUNCHER=mpirun, start run.sh on node 0 only (NODE_RANK=0), not on node $node_rank."
+  workers=$total
 fi
 rm -rf "$log_dir"
 mkdir -p "$log_dir"
-port="$(free_port)"
-echo "run.sh: $workers worker(s) on $device_target with $launcher, logs in $log_dir/, timeout ${run_timeout}s"
+port="${MASTER_PORT:-$(free_port)}"
+echo "run.sh: $workers worker(s) on $device_target with $launcher (node $node_rank of $nnodes, $total in all, master $master_addr:$port), logs in $log_dir/, timeout ${run_timeout}s"
 
 status=0
 case "$launcher" in
   msrun)
-    timeout --kill-after=10 "$run_timeout" msrun --worker_num="$workers" --local_worker_num="$workers" \
-      --master_addr=127.0.0.1 --master_port="$port" --log_dir="$log_dir" --join=True --cluster_time_out=60 \
+    timeout --kill-after=10 "$run_timeout" msrun --worker_num="$total" --local_worker_num="$workers" \
+      --node_rank="$node_rank" --master_addr="$master_addr" --master_port="$port" --log_dir="$log_dir" \
+      --join=True --cluster_time_out=60 \
       "$script" --device-target "$device_target" "$@" >"$log_dir/msrun.log" 2>&1 || status=$?
     rank_log() { echo "$log_dir/worker_$1.log"; }
     ;;
   mpirun)
     # MindSpore's collectives on CPU do not come up under plain mpirun: each rank joins MindSpore's own
     # dynamic cluster instead, through the variables below, with one extra scheduler process.
-    export MS_WORKER_NUM="$workers" MS_SCHED_HOST=127.0.0.1 MS_SCHED_PORT="$port"
+    export MS_WORKER_NUM="$total" MS_SCHED_HOST="$master_addr" MS_SCHED_PORT="$port"
     MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" "$@" >"$log_dir/scheduler.log" 2>&1 &
     scheduler=$!
-    timeout --kill-after=10 "$run_timeout" mpirun --allow-run-as-root --oversubscribe --bind-to none -n "$workers" \
-      --output-filename "$log_dir" --merge-stderr-to-stdout \
+    hostfile=()
+    [ -n "${HOSTFILE:-}" ] && hostfile=(--hostfile "$HOSTFILE")
+    timeout --kill-after=10 "$run_timeout" mpirun --allow-run-as-root --oversubscribe --bind-to none -n "$total" \
+      "${hostfile[@]}" --output-filename "$log_dir" --merge-stderr-to-stdout \
       -x MS_WORKER_NUM -x MS_SCHED_HOST -x MS_SCHED_PORT -x DATA_PATH -x GLOG_v -x MS_NODE_TIMEOUT \
       bash -c 'export MS_ROLE=MS_WORKER MS_NODE_ID="$OMPI_COMM_WORLD_RANK" RANK_ID="$OMPI_COMM_WORLD_RANK"; exec "$0" "$@"' \
       "$python" "$script" --device-target "$device_target" "$@" >"$log_dir/mpirun.log" 2>&1 || status=$?
@@ -77,17 +111,62 @@ case "$launcher" in
     wait "$scheduler" 2>/dev/null || true
     rank_log() { echo "$log_dir/1/rank.$1/stdout"; }
     ;;
+  cluster)
+    # MindSpore's dynamic cluster, started by hand: one scheduler (on node 0) and this node's workers, each told
+    # its global rank. This is what msrun does on each node, minus msrun's scheduler on every node whose
+    # MASTER_ADDR is local (two msrun "nodes" on one host both try to bind it).
+    export MS_WORKER_NUM="$total" MS_SCHED_HOST="$master_addr" MS_SCHED_PORT="$port"
+    pids=()
+    if [ "$node_rank" -eq 0 ]; then
+      MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" "$@" >"$log_dir/scheduler.log" 2>&1 &
+      pids+=($!)
+    fi
+    for ((i = 0; i < workers; i++)); do
+      rank=$((first_rank + i))
+      MS_ROLE=MS_WORKER MS_NODE_ID="$rank" RANK_ID="$rank" \
+        "$python" "$script" --device-target "$device_target" "$@" >"$log_dir/worker_$rank.log" 2>&1 &
+      pids+=($!)
+    done
+    deadline=$((SECONDS + run_timeout))
+    for pid in "${pids[@]}"; do
+      while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 1; done
+      if kill -0 "$pid" 2>/dev/null; then status=124; break; fi
+      wait "$pid" || { status=$?; break; }
+    done
+    if [ "$status" -ne 0 ]; then
+      # One process failed or time ran out: stop the others on this node, then wait for them.
+      for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+      for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    fi
+    rank_log() { echo "$log_dir/worker_$1.log"; }
+    ;;
   *)
-    echo "run.sh: LAUNCHER must be 'mpirun' or 'msrun', but got '$launcher'." >&2
+    echo "run.sh: LAUNCHER must be 'mpirun', 'msrun' or 'cluster', but got '$launcher'." >&2
     exit 2
     ;;
 esac
 
+done_line="final loss"
+[ "$checking" -eq 1 ] && done_line="equivalence check (PASS|FAIL)"
+last_rank=$((first_rank + workers - 1))
+[ "$launcher" = mpirun ] && { first_rank=0; last_rank=$((total - 1)); }
 summary_ok=1
-for ((rank = 0; rank < workers; rank++)); do
+for ((rank = first_rank; rank <= last_rank; rank++)); do
   log="$(rank_log "$rank")"
-  if [ ! -f "$log" ] || ! grep -q "final loss" "$log"; then summary_ok=0; fi
+  if [ ! -f "$log" ] || ! grep -qE "$done_line" "$log"; then summary_ok=0; fi
 done
+
+if [ "$checking" -eq 1 ] && [ "$summary_ok" -eq 1 ]; then
+  # The check's own report, from this node's first rank, then every rank's verdict.
+  grep -hE "^equivalence check|^  " "$(rank_log "$first_rank")" || true
+  for ((rank = first_rank; rank <= last_rank; rank++)); do grep -hE "equivalence check (PASS|FAIL)" "$(rank_log "$rank")"; done
+  if grep -qE "equivalence check FAIL" "$(rank_log "$first_rank")"; then
+    echo "run.sh: equivalence check FAILED. Logs: $log_dir/" >&2
+    exit 1
+  fi
+  echo "run.sh: equivalence check passed on every rank of this node. Logs: $log_dir/"
+  exit 0
+fi
 
 if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
   [ "$status" -eq 124 ] && echo "run.sh: the job did not finish within ${run_timeout}s and was stopped." >&2
@@ -96,9 +175,9 @@ if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
   # mpirun's "mpirun noticed that process rank N ... exited on signal 9", the scheduler's timed-out nodes.
   grep -hE "ERROR|noticed that|exited on signal" "$log_dir/$launcher.log" "$log_dir/scheduler.log" 2>/dev/null \
     | sed -E 's/^\[ERROR\] [^ ]+ \[[^]]*\] ?//' | tail -n 6 >&2 || true
-  for ((rank = 0; rank < workers; rank++)); do
+  for ((rank = first_rank; rank <= last_rank; rank++)); do
     log="$(rank_log "$rank")"
-    if [ ! -f "$log" ] || ! grep -q "final loss" "$log"; then
+    if [ ! -f "$log" ] || ! grep -qE "$done_line" "$log"; then
       echo "---- rank $rank did not finish; last lines of $log:" >&2
       if [ -f "$log" ]; then tail -n 25 "$log" >&2; else echo "(no log file)" >&2; fi
     fi
@@ -107,7 +186,7 @@ if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
   exit 1
 fi
 
-echo "run.sh: done. Per-rank logs: $(rank_log 0) ... $(rank_log $((workers - 1)))"
-for ((rank = 0; rank < workers; rank++)); do
+echo "run.sh: done. Per-rank logs: $(rank_log "$first_rank") ... $(rank_log "$last_rank")"
+for ((rank = first_rank; rank <= last_rank; rank++)); do
   grep -h "final loss" "$(rank_log "$rank")" | tail -n 1
 done

@@ -1,8 +1,11 @@
 """Gradient accumulation for MindSpore that trains the full-batch update on micro-batch memory."""
 from ms_gradaccum._cell import GradAccumulationCell as GradAccumulationCell
+from ms_gradaccum._check import EquivalenceReport as EquivalenceReport
+from ms_gradaccum._check import check_equivalence as check_equivalence
 from ms_gradaccum._scheduler import GradAccumulationScheduler as GradAccumulationScheduler
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell as AccumulatingTrainOneStepCell
 
 __version__ = "0.1.0"
 
-__all__ = ["AccumulatingTrainOneStepCell", "GradAccumulationCell", "GradAccumulationScheduler", "__version__"]
+__all__ = ["AccumulatingTrainOneStepCell", "EquivalenceReport", "GradAccumulationCell", "GradAccumulationScheduler",
+           "__version__", "check_equivalence"]

@@ -46,17 +46,17 @@ def test_docs_readme_micro_batch_example_runs(tmp_path):
 
 
 def test_docs_readme_accumulating_steps_example_runs(tmp_path):
-    output = _run_example(tmp_path, _readme_examples()[2])
+    output = _run_example(tmp_path, _readme_examples()[3])
     assert "optimizer steps: 11" in output, output
     assert len(re.findall(r"loss is ", output)) == 6, output  # LossMonitor(5) over 3 epochs of 10 batches
 
 
 def test_docs_readme_token_loss_example_runs(tmp_path):
-    output = _run_example(tmp_path, _readme_examples()[1])
+    output = _run_example(tmp_path, _readme_examples()[2])
     assert re.search(r"^token mean loss: [0-9.]+$", output, re.M), output
 
 
 def test_docs_readme_mixed_precision_example_runs(tmp_path):
-    output = _run_example(tmp_path, _readme_examples()[3])
+    output = _run_example(tmp_path, _readme_examples()[1])
     assert len(re.findall(r"loss is ", output)) == 4, output   # LossMonitor(2) over 2 epochs of 4 batches
     assert "loss scale: 4096.0" in output, output

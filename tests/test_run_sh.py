@@ -89,3 +89,101 @@ def test_run_sh_rejects_bad_worker_count():
                           check=False)
     assert done.returncode == 2
     assert "the number of workers must be a positive integer, but got 'two'" in done.stderr
+
+
+def _run_sh_env(tmp_path, name, **extra):
+    return dict(os.environ, LOG_DIR=str(tmp_path / name), RUN_TIMEOUT="300", **extra,
+                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+
+
+@pytest.mark.parametrize("env, args, message", [
+    (dict(NNODES="two"), [], "NNODES must be a positive integer, but got 'two'"),
+    (dict(NNODES="0"), [], "NNODES must be a positive integer, but got '0'"),
+    (dict(NNODES="2", NODE_RANK="-1", MASTER_PORT="8118"), [], "NODE_RANK must be a non-negative integer, but got '-1'"),
+    (dict(NNODES="2", NODE_RANK="2", MASTER_PORT="8118"), [], "NODE_RANK must be less than NNODES=2, but got '2'"),
+    (dict(MASTER_PORT="70000"), [], "MASTER_PORT must be an integer from 1 to 65535, but got '70000'"),
+    (dict(NNODES="2", NODE_RANK="1"), [], "MASTER_PORT must be set (the same on every node) when NNODES=2 > 1"),
+    ({}, ["--check", "--batch-size", "8", "--micro-size", "16"],
+     "argument --micro-size: must be at most --batch-size (8) so that every micro-batch holds at least one sample, "
+     "but got 16"),
+    ({}, ["--check", "--micro-size", "0"], "argument --micro-size: must be a positive integer, but got 0"),
+])
+def test_run_sh_rejects_bad_cluster_settings_before_launching(tmp_path, env, args, message):
+    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "2", *args], env=_run_sh_env(tmp_path, "logs", **env),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr
+    assert not (tmp_path / "logs").exists(), "nothing may be launched"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_run_sh_check_passes_and_prints_the_table(tmp_path, workers):
+    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), str(workers), "--check", "--check-steps", "2"],
+                          env=_run_sh_env(tmp_path, "logs", LAUNCHER="msrun"), cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"^equivalence check: PASS \(tolerance", done.stdout, re.M), done.stdout
+    assert len(re.findall(r"\[rank \d\] equivalence check PASS", done.stdout)) == workers
+    assert "layers.0.weight" in done.stdout
+
+
+def test_run_sh_check_fails_for_batch_norm(tmp_path):
+    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "2", "--check", "--check-steps", "2",
+                           "--check-network", "batchnorm"], env=_run_sh_env(tmp_path, "logs", LAUNCHER="msrun"),
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "equivalence check: FAIL" in done.stdout and "likely cause: batch normalisation" in done.stdout
+    assert "run.sh: equivalence check FAILED" in done.stderr
+
+
+def _start_node(tmp_path, node_rank, port, marker, *args):
+    env = _run_sh_env(tmp_path, f"node{node_rank}", NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), MS_GRADACCUM_TEST_RUN=marker)
+    return subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), "2", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_run_sh_two_nodes_of_two_workers_train_one_job(tmp_path):
+    from launch import free_port  # pylint: disable=import-outside-toplevel
+    port, marker = free_port(), uuid.uuid4().hex
+    nodes = [_start_node(tmp_path, rank, port, marker, "--epochs", "1", "--max-steps", "6") for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, 9)
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-3000:]
+    finals = {}
+    for node_rank, ranks in ((0, (0, 1)), (1, (2, 3))):
+        for rank in ranks:
+            log = (tmp_path / f"node{node_rank}" / f"worker_{rank}.log").read_text()
+            assert "mode data_parallel, 4 rank(s)" in log and "loss is" in log, log[-2000:]
+            finals[rank] = re.search(r"final loss [0-9.]+ test accuracy ([0-9.]+)", log).group(1)
+    assert len(set(finals.values())) == 1, finals   # identical weights on all 4 ranks
+
+
+def test_run_sh_killed_node_fails_the_other_node(tmp_path):
+    from launch import free_port  # pylint: disable=import-outside-toplevel
+    port, marker = free_port(), uuid.uuid4().hex
+    nodes = [_start_node(tmp_path, rank, port, marker, "--epochs", "500", "--loss-every", "1") for rank in (0, 1)]
+    try:
+        worker_3 = tmp_path / "node1" / "worker_3.log"
+        _wait_for(lambda: worker_3.exists() and "loss is" in worker_3.read_text(errors="replace"), 240,
+                  "node 1's rank 3 to start training")
+        os.killpg(nodes[1].pid, 9)
+        for rank in (2, 3):
+            for pid in _processes_with_env(marker, rank):
+                os.kill(pid, 9)
+        killed_at = time.monotonic()
+        output, _ = nodes[0].communicate(timeout=120)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, 9)
+    assert nodes[0].returncode != 0, output[-3000:]
+    assert elapsed < 90, f"node 0 took {elapsed:.0f}s to notice the dead node"
+    assert "run.sh: FAILED" in output and "did not finish; last lines of" in output, output[-3000:]
+    assert not _processes_with_env(marker, 0) and not _processes_with_env(marker, 1), "node 0's ranks were left running"

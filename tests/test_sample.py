@@ -49,3 +49,27 @@ def test_sample_trains_on_builtin_dataset(tmp_path):
     assert losses[-1] < losses[0]
     # 40 SGD steps of batch 32 on real digits: well above the 10% of guessing, far from converged.
     assert float(final.group(2)) > 0.3
+
+
+def _sample(tmp_path, *args):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), GLOG_v="3",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    env.pop("DATA_PATH", None)
+    done = subprocess.run([sys.executable, os.path.join(SAMPLE, "train.py"), *args], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_sample_logs_loss_lines_however_short_the_epoch(tmp_path):
+    # 3 steps per epoch and no --loss-every: LossMonitor prints every min(100, 3) steps, so every run logs.
+    status, output = _sample(tmp_path, "--epochs", "2", "--max-steps", "3")
+    assert status == 0, output[-3000:]
+    assert len(re.findall(r"epoch: \d+ step: 3, loss is", output)) == 2, output[-3000:]
+
+
+def test_sample_check_passes_and_batch_norm_control_fails(tmp_path):
+    status, output = _sample(tmp_path, "--check", "--check-steps", "2")
+    assert status == 0 and "[rank 0] equivalence check PASS" in output, output[-3000:]
+    status, output = _sample(tmp_path, "--check", "--check-steps", "2", "--check-network", "batchnorm")
+    assert status == 1 and "[rank 0] equivalence check FAIL" in output, output[-3000:]
+    assert "likely cause: batch normalisation (_backbone.layers.1 (BatchNorm1d))" in output

@@ -11,6 +11,7 @@ digits (see builtin_digits.py), written once to a cache directory and read throu
 import argparse
 import os
 import sys
+import warnings
 
 import mindspore as ms
 import mindspore.dataset as ds
@@ -19,7 +20,7 @@ from mindspore.communication import get_group_size, get_rank, init
 from mindspore.dataset import transforms, vision
 from mindspore.train import LossMonitor, Model
 
-from ms_gradaccum import GradAccumulationCell
+from ms_gradaccum import GradAccumulationCell, check_equivalence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from builtin_digits import ensure_digits_mnist  # noqa: E402  (sits next to this script)
@@ -42,11 +43,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--parallel-mode", default="auto", choices=["auto", *PARALLEL_MODES],
                         help="auto: stand_alone for one process; data_parallel on CPU and "
                              "semi_auto_parallel (with the parallel optimizer) on GPU/Ascend for several")
-    parser.add_argument("--loss-every", type=int, default=100, help="LossMonitor's per_print_times")
+    parser.add_argument("--loss-every", type=int, default=None,
+                        help="LossMonitor's per_print_times (default: min(100, steps per epoch), so every run logs)")
     parser.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
     parser.add_argument("--data-path", default=os.environ.get("DATA_PATH", ""),
                         help="MNIST folder in idx format (default: $DATA_PATH, else the built-in digits)")
-    return parser.parse_args(argv)
+    parser.add_argument("--check", action="store_true",
+                        help="instead of training: check that accumulation gives the full-batch update here "
+                             "(same weights, same batches, a few steps); exit 0 on PASS, 1 on FAIL")
+    parser.add_argument("--check-steps", type=int, default=3, help="optimizer steps the check runs")
+    parser.add_argument("--check-network", default="mlp", choices=["mlp", "batchnorm"],
+                        help="the network the check runs; 'batchnorm' adds a BatchNorm1d (it must FAIL)")
+    parser.add_argument("--validate-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in ("epochs", "batch_size", "micro_size", "check_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: must be a positive integer, but got {getattr(args, name)}")
+    if args.micro_size > args.batch_size:
+        parser.error(f"argument --micro-size: must be at most --batch-size ({args.batch_size}) so that every "
+                     f"micro-batch holds at least one sample, but got {args.micro_size}")
+    if args.loss_every is not None and args.loss_every < 1:
+        parser.error(f"argument --loss-every: must be a positive integer, but got {args.loss_every}")
+    return args
 
 
 def launched_ranks() -> int:
@@ -80,18 +98,20 @@ def create_dataset(path: str, usage: str, batch_size: int, rank: int, group: int
     image_ops = [vision.Rescale(1.0 / 255.0, 0.0), vision.Normalize(mean=(0.1307,), std=(0.3081,)),
                  vision.HWC2CHW()]
     dataset = dataset.map(image_ops, "image").map(transforms.TypeCast(ms.int32), "label")
-    # Training drops the last partial batch (GradAccumulationCell refuses a batch that micro_size does not
-    # divide, rather than drop rows itself); evaluation keeps every image.
-    return dataset.batch(batch_size, drop_remainder=training)
+    # Every image is used: GradAccumulationCell splits a short last batch as evenly as possible (one more
+    # compiled graph for that shape).
+    return dataset.batch(batch_size, drop_remainder=False)
 
 
 class Network(nn.Cell):
-    """The tutorial's 784-512-512-10 MLP."""
+    """The tutorial's 784-512-512-10 MLP (with ``batch_norm``, a BatchNorm1d after the first layer: the
+    equivalence check's negative control)."""
 
-    def __init__(self):
+    def __init__(self, batch_norm: bool = False):
         super().__init__()
         self.flatten = nn.Flatten()
-        self.layers = nn.SequentialCell(nn.Dense(28 * 28, 512), nn.ReLU(), nn.Dense(512, 512), nn.ReLU(),
+        norm = [nn.BatchNorm1d(512)] if batch_norm else []
+        self.layers = nn.SequentialCell(nn.Dense(28 * 28, 512), *norm, nn.ReLU(), nn.Dense(512, 512), nn.ReLU(),
                                         nn.Dense(512, 10))
 
     def construct(self, x):
@@ -116,13 +136,32 @@ def accuracy(net: nn.Cell, dataset: ds.Dataset) -> tuple:
     return correct / max(total, 1), total
 
 
+def run_check(args, data_path: str, rank: int, group: int) -> int:
+    """The equivalence check on this rank's first --check-steps batches; 0 on PASS, 1 on FAIL."""
+    train_set = create_dataset(data_path, "train", args.batch_size, rank, group, training=False)
+    batches = [(image.asnumpy(), label.asnumpy())
+               for image, label in train_set.take(args.check_steps).create_tuple_iterator(num_epochs=1)]
+    print(f"[rank {rank}] checking on {len(batches)} batch(es) of {args.batch_size}", flush=True)
+    batch_norm = args.check_network == "batchnorm"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the BatchNorm warning: the check reports it as a likely cause
+        report = check_equivalence(lambda: nn.WithLossCell(Network(batch_norm), nn.CrossEntropyLoss()), batches,
+                                   args.micro_size, lambda params: nn.SGD(params, args.lr))
+    print(f"[rank {rank}] equivalence check {'PASS' if report else 'FAIL'}", flush=True)
+    return 0 if report else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.validate_only:
+        return 0
     ms.set_context(mode=ms.GRAPH_MODE, device_target=args.device_target)
     ms.set_seed(1)
     mode = resolve_parallel_mode(args.parallel_mode, args.device_target, launched_ranks())
     rank, group = setup_parallel(mode)
     data_path = args.data_path or ensure_digits_mnist()
+    if args.check:
+        return run_check(args, data_path, rank, group)
 
     train_set = create_dataset(data_path, "train", args.batch_size, rank, group, training=True)
     if args.max_steps:
@@ -135,7 +174,9 @@ def main(argv=None) -> int:
     print(f"[rank {rank}] mode {mode}, {group} rank(s), data {data_path}, {train_set.get_dataset_size()} steps "
           f"per epoch of batch {args.batch_size} = {args.micro_size} micro-batches of "
           f"{args.batch_size // max(args.micro_size, 1)}", flush=True)
-    model.train(args.epochs, train_set, callbacks=[LossMonitor(args.loss_every), last], dataset_sink_mode=False)
+    # Every run logs loss lines, however few steps an epoch has (8 ranks on the built-in data: 5 per epoch).
+    loss_every = args.loss_every or max(1, min(100, train_set.get_dataset_size()))
+    model.train(args.epochs, train_set, callbacks=[LossMonitor(loss_every), last], dataset_sink_mode=False)
 
     test_acc, test_images = accuracy(net, create_dataset(data_path, "test", 100, 0, 1, training=False))
     print(f"[rank {rank}] final loss {last.loss:.6f} test accuracy {test_acc:.4f} ({test_images} images)",
