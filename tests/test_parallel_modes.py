@@ -87,16 +87,21 @@ class _CompilingFrame(nn.Cell):
         return lookup(key)
 
 
+def _semi_auto_fixed_scale_model(scale):
+    """(cell, the train cell Model builds) under semi-auto with FixedLossScaleManager(scale, False)."""
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    cell = GradAccumulationCell(_loss_net(), K)
+    model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1, loss_scale=scale),
+                     loss_scale_manager=ms.FixedLossScaleManager(scale, drop_overflow_update=False))
+    return cell, model._train_network  # pylint: disable=protected-access
+
+
 def test_parallel_modes_semi_auto_fixed_loss_scale_reaches_the_backward():
     # Model builds _TrainGradAccuStepCell(network, optimizer) for FixedLossScaleManager(S, False) under
     # semi-auto: no sens at all, while the optimizer divides by S. The cell must scale its backward by S.
     from ms_gradaccum._loss_scale import missing_loss_scale  # pylint: disable=import-outside-toplevel
     scale = 2.0 ** 10
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
-    cell = GradAccumulationCell(_loss_net(), K)
-    model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1, loss_scale=scale),
-                     loss_scale_manager=ms.FixedLossScaleManager(scale, drop_overflow_update=False))
-    train_network = model._train_network  # pylint: disable=protected-access
+    cell, train_network = _semi_auto_fixed_scale_model(scale)
     assert type(train_network) is _TrainGradAccuStepCell and not train_network.sense_flag
     assert _CompilingFrame(train_network).compile(missing_loss_scale, cell.key) == scale
     # Any other wrapper applies its own scale: nothing is scaled twice.
@@ -107,11 +112,7 @@ def test_parallel_modes_semi_auto_fixed_loss_scale_reaches_the_backward():
 def test_parallel_modes_semi_auto_gradient_carries_the_optimizer_loss_scale():
     # Evaluated stand-alone (the markers are inert there), inside a frame that holds the semi-auto wrapper.
     scale = 2.0 ** 10
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
-    cell = GradAccumulationCell(_loss_net(), K)
-    model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1, loss_scale=scale),
-                     loss_scale_manager=ms.FixedLossScaleManager(scale, drop_overflow_update=False))
-    wrapper = model._train_network  # pylint: disable=protected-access
+    cell, wrapper = _semi_auto_fixed_scale_model(scale)
     ms.reset_auto_parallel_context()
     reference = _loss_net()
     x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
