@@ -16,7 +16,6 @@ _LOW_PRECISION = (mstype.float16, mstype.bfloat16)
 
 _add = ops.MultitypeFuncGraph("_add")
 _clear = ops.MultitypeFuncGraph("_clear")
-_mean = ops.MultitypeFuncGraph("_mean")
 _divide = ops.MultitypeFuncGraph("_divide")
 _cast_like = ops.MultitypeFuncGraph("_cast_like")
 
@@ -32,19 +31,9 @@ def _clear_tensor(after, buffer):
     return ops.assign(buffer, ops.depend(ops.zeros_like(buffer), after))
 
 
-@_mean.register("Tensor", "Tensor")
-def _mean_tensor(count, buffer):
-    return buffer / ops.cast(count, buffer.dtype)
-
-
 @_divide.register("Tensor", "Tensor")
 def _divide_tensor(divisor, tensor):
     return tensor / ops.cast(divisor, tensor.dtype)
-
-
-@_divide.register("Number", "Tensor")
-def _divide_number(divisor, tensor):
-    return tensor / divisor
 
 
 @_cast_like.register("Tensor", "Tensor")
@@ -77,13 +66,8 @@ def clear(hyper_map, buffers, after):
     return hyper_map(ops.partial(_clear, after), buffers)
 
 
-def mean_of(hyper_map, buffers, count):
-    """buffers / count, in the buffers' dtype (float32 for low-precision weights)."""
-    return hyper_map(ops.partial(_mean, count), buffers)
-
-
 def divided(hyper_map, tensors, divisor):
-    """Each tensor / divisor (a number or a scalar Tensor), in the tensor's dtype."""
+    """Each tensor / divisor (a scalar Tensor), in the tensor's dtype (float32 buffers for low-precision weights)."""
     return hyper_map(ops.partial(_divide, divisor), tensors)
 
 

@@ -2,10 +2,8 @@
 from typing import Optional
 
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import nn, ops, Tensor
 from mindspore.common import dtype as mstype
-
-from mindspore import Tensor
 
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._cell import GradAccumulationCell
@@ -144,7 +142,8 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         self.split_micro_batches = micro is not None
         if self.split_micro_batches:
             self.micro_batch_gradients = MicroBatchGradients(micro.network, self.weights, micro.micro_size)
-        self.scaled_loss = ScaledLoss(network)
+        else:
+            self.scaled_loss = ScaledLoss(network)
         self.token_totals = TokenTotals()
         self.grad_sums = _buffers.gradient_buffers(self.weights)
         self.window_position = _buffers.state_scalar("window_position", 0)
@@ -212,7 +211,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
             window_loss = loss_sum / count
         else:
             count = ops.cast(self.window_position, mstype.float32)
-            mean = _buffers.mean_of(self.hyper_map, self.grad_sums, self.window_position)
+            mean = _buffers.divided(self.hyper_map, self.grad_sums, self.window_position)
             window_loss = self.window_loss_sum / count
         mean = self.grad_reducer(mean)
         overflow = Tensor(False, mstype.bool_)
