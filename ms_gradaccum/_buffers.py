@@ -14,15 +14,9 @@ GRAD_PREFIX = "accu_grads"
 STATE_PREFIX = "accu_state"
 _LOW_PRECISION = (mstype.float16, mstype.bfloat16)
 
-_add = ops.MultitypeFuncGraph("_add")
 _clear = ops.MultitypeFuncGraph("_clear")
 _divide = ops.MultitypeFuncGraph("_divide")
 _cast_like = ops.MultitypeFuncGraph("_cast_like")
-
-
-@_add.register("Tensor", "Tensor")
-def _add_tensor(buffer, grad):
-    return ops.assign_add(buffer, ops.cast(grad, buffer.dtype))
 
 
 @_clear.register("Tensor", "Tensor")
@@ -54,11 +48,6 @@ def gradient_buffers(weights: Sequence[Parameter]) -> ParameterTuple:
 def state_scalar(name: str, value, dtype=mstype.int32) -> Parameter:
     """A scalar window counter or setting, saved in checkpoints as ``accu_state.<name>``."""
     return Parameter(Tensor(value, dtype), name=f"{STATE_PREFIX}.{name}", requires_grad=False)
-
-
-def add_into(hyper_map, buffers, grads):
-    """buffers += grads, in place."""
-    return hyper_map(_add, buffers, grads)
 
 
 def clear(hyper_map, buffers, after):

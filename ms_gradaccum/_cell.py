@@ -3,8 +3,8 @@ import mindspore as ms
 from mindspore import nn, ops, Tensor, ParameterTuple
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum import _loss_scale
-from ms_gradaccum._loop import MicroBatchGradients, PrecisionNeutral
+from ms_gradaccum import _buffers, _loss_scale
+from ms_gradaccum._loop import GradientOf, MicroBatchGradients, PrecisionNeutral, mean_divisor
 from ms_gradaccum._reduce import TokenTotals
 from ms_gradaccum._parallel import ParallelPassAccumulation, parallel_pass_mode
 from ms_gradaccum._validation import check_cell, check_has_trainable_params, check_positive_int, warn_batch_norm
@@ -27,11 +27,15 @@ class GradAccumulationCell(PrecisionNeutral):
     their gradients are summed, and the wrapping ``nn.TrainOneStepCell`` (built by you or by ``Model``) sees
     exactly the mean gradient, so the optimizer steps once per batch with the full-batch update.
 
-    How it plugs into an unmodified ``nn.TrainOneStepCell``: the cell returns
-    ``stop_gradient(loss) + (t - stop_gradient(t))`` with ``t = sum_p sum(stop_gradient(g_p) * p)``, whose
-    value is the mean micro-batch loss and whose gradient with respect to each weight ``p`` is exactly the
-    accumulated mean gradient ``g_p``. Gradient reduction across devices (data parallel) and loss scaling
-    therefore happen once per batch, in the wrapping cell, as for any other network.
+    How it plugs into an unmodified ``nn.TrainOneStepCell``: each micro-batch's gradient is added, in place
+    and as soon as the backward pass produces it, into one buffer per weight, ``accu_grads.<weight>`` (float32
+    for float16 weights; a Parameter, so it is visible in ``get_parameters()`` and saved in checkpoints).
+    The cell's value is the loss; in the wrapper's backward pass a small cell with its own ``bprop`` scales
+    each buffer in place to the mean gradient (times the wrapper's ``sens``) and hands the buffer itself over
+    as that weight's gradient, so no gradient-sized tensor is created after the loop. Gradient reduction
+    across devices (data parallel) and loss scaling therefore happen once per batch, in the wrapping cell, as
+    for any other network. The buffers carry nothing from one step to the next (each step's first micro-batch
+    overwrites them), so a run resumed from a checkpoint is exact with or without them.
 
     Loss scaling (mixed precision): every micro-batch's backward pass runs on its loss times the loss scale,
     so float16/bfloat16 gradients do not underflow; the sums are kept in float32 and unscaled once, in float32,
@@ -50,8 +54,10 @@ class GradAccumulationCell(PrecisionNeutral):
     optimizer shards. The output is still the mean loss. The parallel mode in force when the cell is
     created decides which mechanism it uses.
 
-    Peak memory follows the micro-batch (plus the input batch and one gradient-sized accumulator), and the
-    loop over micro-batches is a graph-mode ``while`` loop, so compile time does not grow with ``micro_size``.
+    Peak memory follows the micro-batch: it is that of one plain training step on one micro-batch, plus the
+    input batch and the accumulator (one float32 copy of the weights), less the gradients a plain step holds
+    all at once and the accumulation frees as they come. The loop over micro-batches is a graph-mode
+    ``while`` loop, so compile time does not grow with ``micro_size``.
 
     Equivalence with full-batch training holds when the loss is a mean over the batch and the network treats
     samples independently, or when `network` returns ``(loss_sum, count)`` (e.g. a masked token loss and the
@@ -131,8 +137,11 @@ class GradAccumulationCell(PrecisionNeutral):
         if self.parallel_pass:
             self.parallel_accumulation = ParallelPassAccumulation(network, micro_size, self.key)
         else:
-            self.micro_batch_gradients = MicroBatchGradients(network, self.weights, micro_size)
+            self.accu_grads = _buffers.gradient_buffers(self.weights)
+            self.micro_batch_gradients = MicroBatchGradients(network, self.weights, self.accu_grads, micro_size,
+                                                             per_batch_mean=False)
             self.token_totals = TokenTotals()
+            self.gradient_of = GradientOf()
 
     @property
     def cls_name(self) -> str:
@@ -157,19 +166,18 @@ class GradAccumulationCell(PrecisionNeutral):
             return self.parallel_accumulation(*inputs)
         scale = self.backward_scale()
         result = self.micro_batch_gradients(ms.mutable(inputs), scale)
-        if len(result) == 3:   # a (loss_sum, count) network: divide by the count of the whole (global) batch
-            sums, loss_sum, count = result
-            loss_sum, count, factor = self.token_totals(loss_sum, count)
+        if len(result) == 2:   # a (loss_sum, count) network: divide by the count of the whole (global) batch
+            loss_sum, count, factor = self.token_totals(result[0], result[1])
             loss = loss_sum / count
             divisor = scale * count / factor
         else:
-            sums, loss = result
-            divisor = scale
-        surrogate = Tensor(0.0, mstype.float32)
-        for total, weight in zip(sums, self.weights):
-            # Unscaled once, kept in float32 (a float16 cast of the small unscaled mean would underflow): the
-            # wrapper's sens then multiplies it back in float32, in the surrogate's backward.
-            mean = ops.stop_gradient(ops.cast(total / divisor, mstype.float32))
-            # float32 so a sum over many low-precision weights cannot overflow and turn the loss into NaN.
-            surrogate = surrogate + ops.sum(mean * ops.cast(weight, mstype.float32))
-        return ops.stop_gradient(loss) + (surrogate - ops.stop_gradient(surrogate))
+            loss = result[0]
+            divisor = scale * mean_divisor(inputs[0].shape[0], self.micro_size)
+        # The hand-over reads the buffers: this data dependency orders it after the micro-batch loop (the loss
+        # exists only once the loop is done). Behind stop_gradient, or autodiff fails on networks with BatchNorm.
+        loss = ops.stop_gradient(loss)
+        divisor = ops.depend(divisor, loss)
+        for weight, buffer in zip(self.weights, self.accu_grads):
+            # Adds zero; its backward hands each weight its buffer, unscaled (in float32) and times the sens.
+            loss = loss + self.gradient_of(weight, buffer, divisor)
+        return loss

@@ -7,7 +7,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._cell import GradAccumulationCell
-from ms_gradaccum._loop import MicroBatchGradients, ScaledLoss
+from ms_gradaccum._loop import MicroBatchGradients, ScaledLoss, add_gradients
 from ms_gradaccum._reduce import TokenTotals
 from ms_gradaccum._validation import (argument_error, check_cell, check_has_trainable_params,
                                       check_positive_int, warn_batch_norm)
@@ -137,15 +137,18 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
                 f"unscales the gradients itself, and the optimizer would divide them again), but got "
                 f"{optimizer.loss_scale}. Create the optimizer without loss_scale.")
         super().__init__(network, optimizer)
-        # A GradAccumulationCell network is not differentiated through its surrogate: its micro-batch loop runs
-        # here directly, with this cell's live loss scale, into this cell's buffers.
+        # A GradAccumulationCell network is not differentiated through its gradient hand-over: its micro-batch
+        # loop runs here directly, with this cell's live loss scale, adding into its buffers, which then serve as
+        # this cell's window buffers (one set, ``accu_grads.<weight>``, as for any other network).
         self.split_micro_batches = micro is not None
         if self.split_micro_batches:
-            self.micro_batch_gradients = MicroBatchGradients(micro.network, self.weights, micro.micro_size)
+            self.grad_sums = micro.accu_grads
+            self.micro_batch_gradients = MicroBatchGradients(micro.network, self.weights, self.grad_sums,
+                                                             micro.micro_size, per_batch_mean=True)
         else:
+            self.grad_sums = _buffers.gradient_buffers(self.weights)
             self.scaled_loss = ScaledLoss(network)
         self.token_totals = TokenTotals()
-        self.grad_sums = _buffers.gradient_buffers(self.weights)
         self.window_position = _buffers.state_scalar("window_position", 0)
         self.epoch_position = _buffers.state_scalar("epoch_position", 0)
         self.accumulate_steps = _buffers.state_scalar("accumulate_steps", accumulate_steps)
@@ -170,12 +173,13 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     def construct(self, *inputs):
         scale = self._scale()
         if self.split_micro_batches:
+            # Adds the batch's gradient (its mean, or its sum for a (loss_sum, count) network) into grad_sums.
             result = self.micro_batch_gradients(ms.mutable(inputs), scale)
-            grads, loss = result[0], result[1]
-            extra = result[2:]
+            loss = result[0]
+            extra = result[1:]
         else:
             out, grads = ms.value_and_grad(self.scaled_loss, None, self.weights)(inputs, scale)
-            loss = out[1]
+            loss = add_gradients(self.grad_sums, grads, after=out[1])
             extra = out[2:]
         token = len(extra) == 1
         # What is returned per call: the batch's mean loss (its token mean for a (loss_sum, count) network).
@@ -183,7 +187,6 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         if token:
             count = extra[0]
             batch_loss = ops.depend(loss / count, ops.assign_add(self.window_count, count))
-        batch_loss = ops.depend(batch_loss, _buffers.add_into(self.hyper_map, self.grad_sums, grads))
         batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_loss_sum, loss))
         batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_position, ops.ones((), mstype.int32)))
         batch_loss = ops.depend(batch_loss, ops.assign_add(self.epoch_position, ops.ones((), mstype.int32)))

@@ -45,6 +45,24 @@ def test_cell_matches_full_batch_reference(optimizer, micro_size):
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
+def test_cell_accumulator_carries_nothing_between_steps(mode):
+    # The gradient hand-over reads the accu_grads buffers in the wrapper's backward pass: it must come after
+    # this step's micro-batches have rewritten them. NaN left in them before every step would show otherwise.
+    batches = classification_batches(STEPS, BATCH)
+    expected, _, _ = reference_run(make_mlp, _loss_fn(), "momentum", batches)
+    ms.set_context(mode=mode)
+    net = make_mlp()
+    cell = GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), 4)
+    step = nn.TrainOneStepCell(cell, make_optimizer("momentum", net.trainable_params()))
+    assert [b.name for b in cell.accu_grads] == [f"accu_grads.{w.name}" for w in net.trainable_params()]
+    for x, y in batches:
+        for buffer in cell.accu_grads:   # written in place (set_data would swap the storage under a compiled graph)
+            ops.assign(buffer, Tensor(np.full(buffer.shape, np.nan, np.float32)))
+        step(Tensor(x), Tensor(y))
+    assert_params_close(params_of(net), expected, **TOLERANCE["momentum"])
+
+
 class _Scaled(nn.Cell):
     """Multiplies the loss by a constant: inside GradAccumulationCell(.., K) with K, the 1/K is undone."""
 
