@@ -2,7 +2,7 @@
 
 Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
   FRAMEWORK  mindspore | torch
-  MODEL      mlp | conv
+  MODEL      mlp (activation-heavy) | conv | wide (parameter-heavy: four 1536-wide Dense layers, 27 MB)
   KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
              | mindspore (nn.GradAccumulationCell inside nn.TrainOneStepCell) | steps
              (AccumulatingTrainOneStepCell, MICRO_SIZE calls of BATCH / MICRO_SIZE per optimizer step)
@@ -13,6 +13,8 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
 A "step" is always one optimizer update over BATCH samples. Timings: the first step (compilation
 included) and the median of STEPS steady steps. Memory: peak RSS, and its growth over the RSS measured
 after the framework's import and the data's creation (so it holds compilation, weights, activations); MindSpore's pool peak is printed by MindSpore itself at exit.
+It does not hold Parameters, so the bytes of every Parameter the train cell holds (weights, optimizer
+state, accumulation buffers) are reported beside it (param_mb), and the weights' own bytes (weight_mb).
 """
 import json
 import resource
@@ -22,6 +24,7 @@ import time
 import numpy as np
 
 MLP_IN, CLASSES = 64, 10
+WIDE = 1536
 MIXED_PRECISION_SCALE = 2.0 ** 10
 
 
@@ -63,7 +66,7 @@ def _rss_mb() -> float:
 
 def _data(model: str, batch: int):
     rng = np.random.RandomState(0)
-    shape = (batch, MLP_IN) if model == "mlp" else (batch, 1, 28, 28)
+    shape = {"mlp": (batch, MLP_IN), "wide": (batch, WIDE)}.get(model, (batch, 1, 28, 28))
     return rng.randn(*shape).astype(np.float32), rng.randint(0, CLASSES, batch).astype(np.int32)
 
 
@@ -86,9 +89,10 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)
-    if model == "mlp":
-        net = nn.SequentialCell(nn.Dense(MLP_IN, 512), nn.ReLU(), nn.Dense(512, 512), nn.ReLU(),
-                                nn.Dense(512, 512), nn.ReLU(), nn.Dense(512, CLASSES))
+    if model in ("mlp", "wide"):
+        inputs, width = (MLP_IN, 512) if model == "mlp" else (WIDE, WIDE)
+        net = nn.SequentialCell(nn.Dense(inputs, width), nn.ReLU(), nn.Dense(width, width), nn.ReLU(),
+                                nn.Dense(width, width), nn.ReLU(), nn.Dense(width, CLASSES))
     else:
         net = nn.SequentialCell(nn.Conv2d(1, 16, 3, pad_mode="same"), nn.ReLU(), nn.Conv2d(16, 32, 3, pad_mode="same"),
                                 nn.ReLU(), nn.MaxPool2d(2, 2), nn.Flatten(), nn.Dense(32 * 14 * 14, CLASSES))
@@ -102,11 +106,12 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     if kind == "tokens":   # the same loss as a sum and a count: the token path's bookkeeping, nothing else
         kind, loss_net = "accumulate", _SumAndCount(net)
     optimizer = nn.SGD(net.trainable_params(), 0.01, loss_scale=sens or 1.0)
+    weight_bytes = sum(p.size * p.itemsize for p in net.trainable_params())
     if kind == "steps":
         cell = AccumulatingTrainOneStepCell(loss_net, optimizer, micro_size)
         rows = len(x) // micro_size
         parts = [(Tensor(x[i * rows:(i + 1) * rows]), Tensor(y[i * rows:(i + 1) * rows])) for i in range(micro_size)]
-        return lambda: [cell(*part) for part in parts][-1].asnumpy()
+        return lambda: [cell(*part) for part in parts][-1].asnumpy(), _parameter_bytes(cell), weight_bytes
     if kind == "accumulate":
         loss_net = GradAccumulationCell(loss_net, micro_size)
     elif kind == "mindspore":
@@ -115,7 +120,11 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         raise SystemExit(f"unknown MindSpore kind {kind!r}")
     cell = nn.TrainOneStepCell(loss_net, optimizer, sens=sens)
     tx, ty = Tensor(x), Tensor(y)
-    return lambda: cell(tx, ty).asnumpy()
+    return lambda: cell(tx, ty).asnumpy(), _parameter_bytes(cell), weight_bytes
+
+
+def _parameter_bytes(cell) -> int:
+    return sum(p.size * p.itemsize for p in cell.get_parameters())
 
 
 def torch_step(model: str, kind: str, micro_size: int, x, y):
@@ -123,9 +132,10 @@ def torch_step(model: str, kind: str, micro_size: int, x, y):
     from torch import nn
 
     torch.manual_seed(0)
-    if model == "mlp":
-        net = nn.Sequential(nn.Linear(MLP_IN, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                            nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, CLASSES))
+    if model in ("mlp", "wide"):
+        inputs, width = (MLP_IN, 512) if model == "mlp" else (WIDE, WIDE)
+        net = nn.Sequential(nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, CLASSES))
     else:
         net = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
                             nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 14 * 14, CLASSES))
@@ -143,7 +153,9 @@ def torch_step(model: str, kind: str, micro_size: int, x, y):
             loss.backward()
         optimizer.step()
         return loss.item()
-    return step
+    # PyTorch has no memory pool to add them to: its weights, .grad and optimizer state are all in the RSS.
+    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    return step, None, weight_bytes
 
 
 def main(framework: str, model: str, kind: str, micro_size: int, batch: int, steps: int) -> None:
@@ -152,9 +164,11 @@ def main(framework: str, model: str, kind: str, micro_size: int, batch: int, ste
     x, y = _data(model, batch)
     rss_base = _rss_mb()
     build = mindspore_step if framework == "mindspore" else torch_step
-    step = build(model, kind, micro_size, x, y)
+    step, parameter_bytes, weight_bytes = build(model, kind, micro_size, x, y)
     first, steady = _time_steps(step, steps)
     result = dict(framework=framework, model=model, kind=kind, micro_size=micro_size, batch=batch,
+                  param_mb=None if parameter_bytes is None else parameter_bytes / 2 ** 20,
+                  weight_mb=weight_bytes / 2 ** 20,
                   first_step_s=first, steady_step_s=steady, samples_per_s=batch / steady,
                   rss_base_mb=rss_base, rss_peak_mb=_rss_mb(), rss_growth_mb=_rss_mb() - rss_base,
                   input_mb=(x.nbytes + y.nbytes) / 2 ** 20)

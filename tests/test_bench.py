@@ -25,8 +25,11 @@ def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
         assert row["steady_step_s"] > 0 and row["rss_peak_mb"] > 0
         if row["framework"] == "mindspore":
             assert row["pool_peak_mb"] > 0, row
-    assert len(result["targets"]) >= 5
+    assert len(result["targets"]) >= 6
+    assert any(line.startswith("mlp: K=8 memory above the one-micro-batch floor (pool + Parameters)")
+               for line in result["targets"])
+    assert all(row.get("above_floor_x_weights") is not None for row in result["rows"] if not row["kind"].endswith("_o2"))
     assert any(line.startswith("mlp: fp16 (O2, loss scale) K=8 vs fp16 full batch") for line in result["targets"])
     assert any(line.startswith("mlp: token path (loss_sum, count) vs mean loss") for line in result["targets"])
-    assert "| mlp | GradAccumulationCell K=8 |" in done.stdout
+    assert "| mlp | GradAccumulationCell K=8 |" in done.stdout and "above floor, in parameter bytes" in done.stdout
     assert (tmp_path / "benchmark_mlp.png").stat().st_size > 10_000
