@@ -1,8 +1,9 @@
-"""Parameter-shaped accumulation buffers and scalar window state that live across training steps.
+"""Parameter-shaped accumulation buffers and scalar window state.
 
-They are ``Parameter``s (``requires_grad=False``) so that checkpoints carry them: a checkpoint taken in the
-middle of an accumulation window resumes exactly. Names carry stable prefixes because they end up in
-checkpoints: ``accu_grads.<weight name>`` for gradient sums, ``accu_state.<name>`` for counters.
+They are ``Parameter``s (``requires_grad=False``): gradients are added into them in place as they are
+produced, memory accounting that counts Parameters sees them, and checkpoints carry them, so a checkpoint
+taken in the middle of an accumulation window resumes exactly. Names carry stable prefixes because they end up
+in checkpoints: ``accu_grads.<weight name>`` for gradient sums, ``accu_state.<name>`` for counters.
 """
 from typing import Sequence
 
@@ -14,20 +15,7 @@ GRAD_PREFIX = "accu_grads"
 STATE_PREFIX = "accu_state"
 _LOW_PRECISION = (mstype.float16, mstype.bfloat16)
 
-_clear = ops.MultitypeFuncGraph("_clear")
-_divide = ops.MultitypeFuncGraph("_divide")
 _cast_like = ops.MultitypeFuncGraph("_cast_like")
-
-
-@_clear.register("Tensor", "Tensor")
-def _clear_tensor(after, buffer):
-    # The data dependency on `after` (the optimizer's result) orders the reset after the gradient is used.
-    return ops.assign(buffer, ops.depend(ops.zeros_like(buffer), after))
-
-
-@_divide.register("Tensor", "Tensor")
-def _divide_tensor(divisor, tensor):
-    return tensor / ops.cast(divisor, tensor.dtype)
 
 
 @_cast_like.register("Tensor", "Tensor")
@@ -50,14 +38,26 @@ def state_scalar(name: str, value, dtype=mstype.int32) -> Parameter:
     return Parameter(Tensor(value, dtype), name=f"{STATE_PREFIX}.{name}", requires_grad=False)
 
 
-def clear(hyper_map, buffers, after):
-    """buffers = 0, in place, once ``after`` has been computed."""
-    return hyper_map(ops.partial(_clear, after), buffers)
+def clear(buffers, after):
+    """buffers = 0, in place, once ``after`` has been computed; one buffer after another, so that only one
+    buffer-sized zero tensor exists at a time (all at once they would cost as much as the buffers)."""
+    for buffer in buffers:
+        # The data dependency on `after` (the optimizer's result) orders the reset after the gradient is used.
+        after = ops.depend(after, ops.assign(buffer, ops.depend(ops.zeros_like(buffer), after)))
+    return after
 
 
-def divided(hyper_map, tensors, divisor):
-    """Each tensor / divisor (a scalar Tensor), in the tensor's dtype (float32 buffers for low-precision weights)."""
-    return hyper_map(ops.partial(_divide, divisor), tensors)
+def divided_in_place(tensors, divisor):
+    """Each tensor / divisor (a scalar Tensor), in the tensor's dtype (float32 buffers for low-precision weights).
+
+    In graph mode ``/=`` divides in place (MindSpore compiles it to InplaceDiv), so the window's mean costs no
+    memory; in PyNative mode it is an ordinary division, as correct.
+    """
+    out = ()
+    for tensor in tensors:
+        tensor /= ops.cast(divisor, tensor.dtype)
+        out += (tensor,)
+    return out
 
 
 def cast_like(hyper_map, tensors, weights):

@@ -210,16 +210,16 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         """
         if token:
             loss_sum, count, factor = self.token_totals(self.window_loss_sum, self.window_count)
-            mean = _buffers.divided(self.hyper_map, self.grad_sums, count / factor)
+            mean = _buffers.divided_in_place(self.grad_sums, count / factor)
             window_loss = loss_sum / count
         else:
             count = ops.cast(self.window_position, mstype.float32)
-            mean = _buffers.divided(self.hyper_map, self.grad_sums, self.window_position)
+            mean = _buffers.divided_in_place(self.grad_sums, self.window_position)
             window_loss = self.window_loss_sum / count
         mean = self.grad_reducer(mean)
         overflow = Tensor(False, mstype.bool_)
         if self.loss_scaled:
-            mean = _buffers.divided(self.hyper_map, mean, self.scale_sense)
+            mean = _buffers.divided_in_place(mean, self.scale_sense)
             overflow = ops.logical_not(_loss_scale.all_finite(self.hyper_map, mean))
             if self.has_scale_manager:
                 overflow = self.loss_scaling_manager(self.scale_sense, overflow)
@@ -231,7 +231,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         # A scalar that exists only once the optimizer has run (or was skipped): resets depend on it.
         done = ops.depend(ops.zeros((), mstype.int32), stepped)
         done = ops.depend(done, ops.assign(self.window_loss, window_loss))
-        done = ops.depend(done, _buffers.clear(self.hyper_map, self.grad_sums, done))
+        done = ops.depend(done, _buffers.clear(self.grad_sums, done))
         done = ops.depend(done, ops.assign(self.window_loss_sum, ops.cast(done, mstype.float32)))
         done = ops.depend(done, ops.assign(self.window_count, ops.cast(done, mstype.float32)))
         done = ops.depend(done, ops.assign(self.window_position, done))

@@ -48,12 +48,16 @@ def test_memory_micro_size_1_costs_about_what_full_batch_costs(plain_peak):
     assert 0.8 * plain_peak <= accumulated <= 1.3 * plain_peak, (plain_peak, accumulated)
 
 
-def test_memory_parameter_heavy_model_costs_under_one_and_a_quarter_parameter_sizes():
+def test_memory_parameter_heavy_model_costs_under_three_quarters_of_a_parameter_size():
     # Three 1024 x 1024 Dense layers (12 MB of weights), micro-batches of 16: here the gradient-sized buffers,
-    # not the activations, decide memory. The floor is a plain step on one micro-batch; accumulation must cost
-    # little more than its one accumulator (the code before this test cost 1.67x the weights, measured).
+    # not the activations, decide memory. The floor is a plain step on one micro-batch. The code before this
+    # test cost 1.67x the weights above it; now about 0.34x (GradAccumulationCell: its accumulator, less the
+    # gradients a plain step holds all at once) and 0.0x (AccumulatingTrainOneStepCell, whose window's mean,
+    # unscaling and reset are in place). The issue asks for under 1.25x; the bound here is tighter, 0.75x, so
+    # that a second gradient-sized copy coming back fails.
     floor, weights = footprint_mb("plain", 1, 16)
     for kind, micro_size, batch in (("accumulate", 8, 128), ("steps", 8, 16)):
         total, _ = footprint_mb(kind, micro_size, batch)
         overhead = (total - floor) / weights
-        assert overhead < 1.25, f"{kind} K={micro_size}: {total:.1f} MB vs floor {floor:.1f} MB = {overhead:.2f}x weights"
+        message = f"{kind} K={micro_size}: {total:.1f} MB vs floor {floor:.1f} MB = {overhead:.2f}x the weights"
+        assert overhead < 0.75, message

@@ -87,9 +87,14 @@ def test_model_checkpoint_loads_into_bare_network_and_resumes_exactly(tmp_path):
     cell = GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), 4)
     checkpoint = ModelCheckpoint(prefix="mlp", directory=str(tmp_path),
                                  config=CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=10))
-    _train_with_model(cell, net, optimizer="adam", callbacks=[checkpoint])
+    model, _ = _train_with_model(cell, net, optimizer="adam", callbacks=[checkpoint])
+    # What the README says to save without the accumulator.
+    ms.save_checkpoint(model.train_network, str(tmp_path / "without_accumulator.ckpt"),
+                       choice_func=lambda name: not name.startswith("accu_grads."))
+    without = ms.load_checkpoint(str(tmp_path / "without_accumulator.ckpt"))
+    assert set(params_of(net)) <= set(without) and not [k for k in without if k.startswith("accu_grads.")]
 
-    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".ckpt"))
+    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".ckpt") and f.startswith("mlp"))
     assert files == ["mlp-1_2.ckpt", "mlp-1_4.ckpt"]
     saved = ms.load_checkpoint(str(tmp_path / files[-1]))
 
