@@ -255,6 +255,8 @@ def main(argv=None) -> int:
     with_torch = importlib.util.find_spec("torch") is not None
     if not with_torch:
         print("PyTorch is not installed: its rows are skipped (pip install torch==2.13.0 to include them).")
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
+        parser.error("the plots need matplotlib (pip install -e \".[bench]\"), or pass --no-plots")
     specs = QUICK if args.quick else FULL
     started = time.perf_counter()
     rows = []
@@ -270,6 +272,12 @@ def main(argv=None) -> int:
     checks = targets(rows)
     machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, Python {platform.python_version()}"
     print("\n" + report + "\n\nTargets:\n" + "\n".join("- " + line for line in checks))
+    expected = sum(len(configurations(spec, with_torch)) for spec in specs.values())
+    if len(rows) != expected:
+        # A partial table would overwrite the last full one with ratios that are missing their references.
+        print(f"{expected - len(rows)} of {expected} configuration(s) failed (see above); nothing written to "
+              f"{out_dir}", file=sys.stderr)
+        return 1
     with open(os.path.join(out_dir, "benchmark.json"), "w", encoding="utf-8") as handle:
         json.dump({"machine": machine, "quick": args.quick, "rows": rows, "targets": checks}, handle, indent=1)
     with open(os.path.join(out_dir, "benchmark.md"), "w", encoding="utf-8") as handle:
@@ -279,10 +287,6 @@ def main(argv=None) -> int:
         for path in plot(rows, out_dir):
             print(f"plot: {path}")
     print(f"results: {out_dir}/benchmark.json, {out_dir}/benchmark.md ({time.perf_counter() - started:.0f} s)")
-    expected = sum(len(configurations(spec, with_torch)) for spec in specs.values())
-    if len(rows) != expected:
-        print(f"{expected - len(rows)} configuration(s) failed", file=sys.stderr)
-        return 1
     return 0
 
 

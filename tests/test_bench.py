@@ -33,3 +33,28 @@ def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
     assert any(line.startswith("mlp: token path (loss_sum, count) vs mean loss") for line in result["targets"])
     assert "| mlp | GradAccumulationCell K=8 |" in done.stdout and "above floor, in parameter bytes" in done.stdout
     assert (tmp_path / "benchmark_mlp.png").stat().st_size > 10_000
+
+
+def test_bench_failed_configuration_exits_non_zero_and_keeps_the_last_results(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("bench_run", os.path.join(REPO, "benchmarks", "run.py"))
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    calls = []
+
+    def run_one(framework, model, kind, micro_size, batch, steps, timeout):
+        calls.append(kind)
+        if kind == "accumulate":  # one worker fails, as when a configuration crashes or times out
+            return None
+        # The keys benchmarks/worker.py prints, plus what run_one adds from the log.
+        return dict(framework=framework, model=model, kind=kind, micro_size=micro_size, batch=batch, param_mb=1.0,
+                    weight_mb=0.5, first_step_s=1.0, steady_step_s=0.1, samples_per_s=batch / 0.1,
+                    rss_base_mb=400.0, rss_peak_mb=500.0, rss_growth_mb=100.0, input_mb=1.0, pool_peak_mb=10,
+                    footprint_mb=11.0)
+
+    monkeypatch.setattr(run, "run_one", run_one)
+    (tmp_path / "benchmark.md").write_text("the last full run\n")
+    assert run.main(["--quick", "--no-plots", "--out", str(tmp_path)]) == 1
+    assert "accumulate" in calls and "plain" in calls
+    assert "configuration(s) failed (see above); nothing written to" in capsys.readouterr().err
+    assert (tmp_path / "benchmark.md").read_text() == "the last full run\n"
+    assert not (tmp_path / "benchmark.json").exists()
