@@ -197,7 +197,7 @@ class GradientOf(PrecisionNeutral):
         return ops.depend(ops.zeros((), mstype.float32), weight)
 
     def bprop(self, weight, buffer, divisor, out, dout):
-        # In graph mode `*=` multiplies the Parameter in place (MindSpore compiles it to InplaceMul); an
+        # In graph mode `*=` updates the Parameter in place (CPU kernel graph: Mul then Assign, weight by weight); an
         # ops.assign(buffer, buffer * f) would allocate a product per weight, all alive at once (measured: +27 MB
         # on four 1536-wide Dense layers). In PyNative mode it is an ordinary product, as correct.
         buffer *= ops.cast(dout, buffer.dtype) / ops.cast(divisor, buffer.dtype)

@@ -11,7 +11,10 @@ Usage: python train_probe.py {plain|accumulate|mindspore|steps} MICRO_SIZE BATCH
   bytes of every Parameter the train cell holds (weights, optimizer state, accumulation buffers).
 - With MS_DEV_RUNTIME_CONF="memory_statistics:True" MindSpore prints "peak used mem:NNNM" at exit.
 - With MS_DEV_SAVE_GRAPHS=1 and MS_DEV_SAVE_GRAPHS_PATH=DIR it writes the compiled graphs' IR into DIR.
+- With PROBE_DATA_PARALLEL=1, started by msrun, each rank trains data parallel (gradients averaged over the
+  ranks, every rank on the same batch) and prints what the stand-alone probe prints.
 """
+import os
 import sys
 import time
 
@@ -24,6 +27,10 @@ from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
 
 def main(kind: str, micro_size: int, batch: int, model: str = "mlp") -> None:
     ms.set_context(mode=ms.GRAPH_MODE)
+    if os.environ.get("PROBE_DATA_PARALLEL") == "1":
+        from mindspore.communication import init
+        init()
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
     ms.set_seed(0)
     rng = np.random.RandomState(0)
     width, inputs = {"mlp": (512, 64), "wide": (1024, 1024)}[model]
