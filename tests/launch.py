@@ -22,13 +22,14 @@ def _tail(path: str, lines: int = 30) -> str:
         return f"---- {path}:\n" + "".join(handle.readlines()[-lines:])
 
 
-def msrun(script: str, args: List[str], workers: int, log_dir: str, timeout: float = 240) -> None:
-    """Run ``script args`` on ``workers`` ranks; raise AssertionError with the logs if any rank fails."""
+def msrun(script: str, args: List[str], workers: int, log_dir: str, timeout: float = 240, **env: str) -> None:
+    """Run ``script args`` on ``workers`` ranks, with `env` added to the environment; raise AssertionError with
+    the logs if any rank fails."""
     msrun_bin = os.path.join(os.path.dirname(sys.executable), "msrun")
     command = [msrun_bin if os.path.exists(msrun_bin) else "msrun", f"--worker_num={workers}",
                f"--local_worker_num={workers}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
                f"--log_dir={log_dir}", "--join=True", "--cluster_time_out=60", script, *args]
-    env = dict(os.environ, GLOG_v="3", MS_NODE_TIMEOUT="10",
+    env = dict(os.environ, GLOG_v="3", MS_NODE_TIMEOUT="10", **env,
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)

@@ -32,11 +32,8 @@ def footprint_mb(kind: str, micro_size: int, batch: int, log_dir: str = ""):
     With `log_dir`, measured on rank 0 of a 2-rank data-parallel run started by msrun.
     """
     if log_dir:
-        os.environ.update(PROBE_DATA_PARALLEL="1", MS_DEV_RUNTIME_CONF="memory_statistics:True")
-        try:
-            msrun(os.path.join(TESTS, "train_probe.py"), [kind, str(micro_size), str(batch), "wide"], 2, log_dir)
-        finally:
-            del os.environ["PROBE_DATA_PARALLEL"], os.environ["MS_DEV_RUNTIME_CONF"]
+        msrun(os.path.join(TESTS, "train_probe.py"), [kind, str(micro_size), str(batch), "wide"], 2, log_dir,
+              PROBE_DATA_PARALLEL="1", MS_DEV_RUNTIME_CONF="memory_statistics:True")
         with open(os.path.join(log_dir, "worker_0.log"), encoding="utf-8", errors="replace") as handle:
             output = handle.read()
     else:
