@@ -35,3 +35,33 @@ class TokenTotals(PrecisionNeutral):
             both = self.all_reduce(ops.stack((loss_sum, count)))
             return both[0], both[1], self.factor
         return loss_sum, count, self.factor
+
+
+class InPlaceAllReduce(PrecisionNeutral):
+    """The all-reduce of a train cell's ``DistributedGradReducer``, done in place on Parameter buffers.
+
+    The reducer all-reduces each gradient into a new tensor and, when ``gradients_mean`` is set, multiplies that
+    by ``1 / group_size`` into another; the optimizer then holds all of them until its last update. A train cell
+    whose gradient sits in ``accu_grads`` buffers can instead write each sum back into its buffer, one buffer
+    after another, so that only one gradient-sized temporary exists at a time and the optimizer reads the
+    buffers themselves. Same all-reduce primitives and the same filter of ``layerwise_parallel`` weights as the
+    reducer; the caller divides by :attr:`mean_divisor` (the device count when the reducer averages, else 1).
+    """
+
+    def __init__(self, reducer):
+        super().__init__(auto_prefix=False)
+        self.reduce = tuple(reducer.allreduce_filter)
+        if reducer.split_fusion:
+            self.all_reduces = tuple(reducer.op_list)
+        else:
+            self.all_reduces = (reducer.allreduce,) * len(self.reduce)
+        self.mean_divisor = float(round(1.0 / float(reducer.degree.asnumpy()))) if reducer.mean else 1.0
+
+    def construct(self, buffers, after):
+        """Sums every buffer across devices in place, once ``after`` exists; returns ``after`` after the writes."""
+        for j in range(len(buffers)):
+            if self.reduce[j]:
+                buffer = buffers[j]
+                # Writes to Parameters run in program order, so each read follows the previous write.
+                after = ops.depend(after, ops.assign(buffer, self.all_reduces[j](ops.depend(buffer, after))))
+        return after

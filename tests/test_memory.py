@@ -74,11 +74,17 @@ def test_memory_parameter_heavy_model_costs_under_three_quarters_of_a_parameter_
         assert overhead < 0.75, message
 
 
-def test_memory_parameter_heavy_model_data_parallel_costs_at_most_one_and_a_half_parameter_sizes(tmp_path):
-    # The same model on 2 ranks. Here the cell costs one weight-sized tensor more than stand-alone (measured
-    # +1.33x: 16 MB pool vs the plain step's 12 MB, plus the 12 MB accumulator; docs/measurements.md says where).
-    # That misses the 1.0x that issue 9 asks for; this bound only keeps a further gradient-sized copy out.
+def test_memory_parameter_heavy_model_data_parallel(tmp_path):
+    # The same model on 2 ranks (rank 0 measured). AccumulatingTrainOneStepCell all-reduces its buffers in place,
+    # one after another, and its optimizer reads them: measured +0.33x (pool 4 MB against the plain step's 12 MB,
+    # plus the 12 MB accumulator); before, with MindSpore's reducer and the buffers handed to the optimizer as
+    # tensors, +1.33x. GradAccumulationCell inside a stock nn.TrainOneStepCell gives its buffers to that cell's
+    # reducer, whose reduced copies pile up before the optimizer's first update: +1.33x here, which misses the
+    # 1.0x of issue 9 (docs/measurements.md says why); its bound only keeps a further gradient-sized copy out.
     floor, weights = footprint_mb("plain", 1, 16, str(tmp_path / "floor"))
-    total, _ = footprint_mb("accumulate", 8, 128, str(tmp_path / "accumulate"))
-    overhead = (total - floor) / weights
-    assert overhead < 1.5, f"data parallel K=8: {total:.1f} MB vs floor {floor:.1f} MB = {overhead:.2f}x the weights"
+    for kind, micro_size, batch, bound in (("steps", 8, 16, 0.75), ("accumulate", 8, 128, 1.5)):
+        total, _ = footprint_mb(kind, micro_size, batch, str(tmp_path / kind))
+        overhead = (total - floor) / weights
+        message = (f"data parallel, {kind} K={micro_size}: {total:.1f} MB vs floor {floor:.1f} MB = "
+                   f"{overhead:.2f}x the weights")
+        assert overhead < bound, message

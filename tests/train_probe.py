@@ -6,7 +6,8 @@ Usage: python train_probe.py {plain|accumulate|mindspore|steps} MICRO_SIZE BATCH
 - plain: nn.TrainOneStepCell on the full batch; accumulate: ms_gradaccum.GradAccumulationCell;
   mindspore: MindSpore's own nn.GradAccumulationCell inside nn.TrainOneStepCell (a Python-unrolled loop);
   steps: ms_gradaccum.AccumulatingTrainOneStepCell with accumulate_steps=MICRO_SIZE, on batches of BATCH
-  (one step = MICRO_SIZE calls = one optimizer update).
+  (one step = MICRO_SIZE calls = one optimizer update); accumulate_steps: GradAccumulationCell inside
+  AccumulatingTrainOneStepCell with accumulate_steps=1 (the micro-batch loop, this package's train cell).
 - Prints the loss, the first step's time (compilation included) and the median of 5 steady steps, and the
   bytes of every Parameter the train cell holds (weights, optimizer state, accumulation buffers).
 - With MS_DEV_RUNTIME_CONF="memory_statistics:True" MindSpore prints "peak used mem:NNNM" at exit.
@@ -39,15 +40,18 @@ def main(kind: str, micro_size: int, batch: int, model: str = "mlp") -> None:
     net = nn.SequentialCell(nn.Dense(inputs, width), nn.ReLU(), nn.Dense(width, width), nn.ReLU(),
                             nn.Dense(width, width), nn.ReLU(), nn.Dense(width, 10))
     loss_net = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
-    if kind == "accumulate":
+    if kind in ("accumulate", "accumulate_steps"):
         loss_net = GradAccumulationCell(loss_net, micro_size)
     elif kind == "mindspore":
         loss_net = nn.GradAccumulationCell(loss_net, micro_size)
     elif kind not in ("plain", "steps"):
-        raise SystemExit(f"unknown kind {kind!r}: expected 'plain', 'accumulate', 'mindspore' or 'steps'")
+        raise SystemExit(f"unknown kind {kind!r}: expected 'plain', 'accumulate', 'accumulate_steps', 'mindspore' "
+                         f"or 'steps'")
     optimizer = nn.SGD(net.trainable_params(), 0.01)
     if kind == "steps":
         step = AccumulatingTrainOneStepCell(loss_net, optimizer, micro_size)
+    elif kind == "accumulate_steps":
+        step = AccumulatingTrainOneStepCell(loss_net, optimizer, 1)
     else:
         step = nn.TrainOneStepCell(loss_net, optimizer)
     calls = micro_size if kind == "steps" else 1   # a "step" is one optimizer update: a whole window
