@@ -89,6 +89,15 @@ def add_gradients(buffers, grads, weight=1.0, overwrite=False, after=None):
     return after
 
 
+def scale_in_place(buffers, factor, after):
+    """``buffers *= factor``, in place, one buffer after another, once `after` exists; returns `after` after them."""
+    for buffer in buffers:
+        # Writes to Parameters run in program order: after the adds before this call, before those after it.
+        buffer *= ops.cast(factor, buffer.dtype)
+        after = ops.depend(after, buffer)
+    return after
+
+
 class MicroBatchGradients(PrecisionNeutral):
     """Runs the micro-batches one after another, adding their scaled gradients into `buffers` in place.
 
@@ -145,22 +154,31 @@ class MicroBatchGradients(PrecisionNeutral):
         # Micro-batch 0 runs before the loop: its output says, at compile time, which kind of loss this is.
         out, grads = self._value_and_grads(micro_batch(split, Tensor(0, mstype.int32)), scale)
         token = len(out) == 3
-        weight = 1.0
-        if self.per_batch_mean and not token:
-            weight = rows / batch
-        loss_total = add_gradients(self.buffers, grads, weight, overwrite=not self.per_batch_mean, after=out[1])
+        # The micro-batch gradients are added unweighted (the smaller micro-batches of an uneven split weighted
+        # by their rows over the larger ones'): a weighted add would create a gradient-sized product per weight
+        # while the backward pass still holds its own. For the batch's mean on top of what the buffers hold
+        # (per_batch_mean, mean losses), the buffers are divided by the larger micro-batches' share of the rows
+        # before and multiplied by it after, in place, one buffer at a time.
+        share = 1.0 if token or not self.per_batch_mean else rows / batch
+        if share != 1.0:
+            loss_total = scale_in_place(self.buffers, 1.0 / share, out[1])
+        else:
+            loss_total = out[1]
+        loss_total = add_gradients(self.buffers, grads, overwrite=not self.per_batch_mean, after=loss_total)
         count_total = out[2] if token else Tensor(0.0, mstype.float32)
-        loss_total, count_total = self._accumulate(split, 1, count, loss_total, count_total, scale, token, weight)
+        loss_total, count_total = self._accumulate(split, 1, count, loss_total, count_total, scale, token, 1.0)
         if len(parts) == 2:
             split2, count2, rows2 = parts[1]
-            weight2 = 1.0
-            if not token:
-                weight2 = rows2 / batch if self.per_batch_mean else rows2 / rows
+            weight2 = 1.0 if token else rows2 / rows
             loss2, count_total = self._accumulate(split2, 0, count2, Tensor(0.0, mstype.float32), count_total,
                                                   scale, token, weight2)
+            if share != 1.0:
+                loss2 = scale_in_place(self.buffers, share, loss2)
             if not token:
                 return ((loss_total * rows + loss2 * rows2) / batch,)
             loss_total = loss_total + loss2
+        elif share != 1.0:
+            loss_total = scale_in_place(self.buffers, share, loss_total)
         if token:
             return loss_total, count_total
         return (loss_total / count,)
