@@ -56,6 +56,11 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     scale_sense=..., max_grad_norm=1.0))`` gives micro-batches, loss scaling, overflow skipping and clipping
     in one train cell.
 
+    Data parallel: the window's buffers are all-reduced in place, one after another, with the all-reduce
+    primitives of the ``DistributedGradReducer`` that ``nn.TrainOneStepCell`` builds, and the optimizer reads
+    the buffers; that reducer would hold a reduced copy of every gradient at once. This is the train cell to
+    use for parameter-heavy models on several devices, with or without a :class:`GradAccumulationCell` inside.
+
     Args:
         network (Cell): A cell returning a scalar loss, e.g. ``nn.WithLossCell(net, loss_fn)``, or a
             :class:`GradAccumulationCell`.
