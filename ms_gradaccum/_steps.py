@@ -258,9 +258,10 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         if self.clip:
             mean = ops.clip_by_global_norm(mean, self.max_grad_norm)
         elif self.reduce_in_place and self.buffers_match_weights:
-            # The optimizer reads the buffers themselves, each right before its update. Handing it `mean` (a
-            # second read of every buffer in this graph, after the all-reduce's) would make MindSpore copy every
-            # buffer (TensorMove) before the first update: +1.0x the weights, measured on 2 ranks.
+            # The optimizer reads the buffers themselves, each right before its update. Handing it `mean` would
+            # read them all at one point before the first update, and MindSpore copies every read of a Parameter
+            # that is read more than once in a graph (TensorMove; here the all-reduce reads them too): all the
+            # copies alive at once, +1.0x the weights, measured on 2 ranks.
             return self.optimizer(self.grad_sums)
         return self.optimizer(_buffers.cast_like(self.hyper_map, mean, self.weights))
 
