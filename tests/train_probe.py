@@ -1,6 +1,6 @@
 """Trains a few steps of an MLP in a fresh process, for a parent test to measure.
 
-Usage: python train_probe.py {plain|accumulate|mindspore|steps} MICRO_SIZE BATCH [{mlp|wide}]
+Usage: python train_probe.py {plain|accumulate|accumulate_steps|mindspore|steps} MICRO_SIZE BATCH [{mlp|wide}]
 - mlp (default): activation-heavy, 64 -> 512 -> 512 -> 512 -> 10; wide: parameter-heavy, three 1024 x 1024
   Dense layers and a 1024 -> 10 one (12 MB of float32 weights).
 - plain: nn.TrainOneStepCell on the full batch; accumulate: ms_gradaccum.GradAccumulationCell;
