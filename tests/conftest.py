@@ -6,6 +6,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# MindSpore's cluster (msrun, and run.sh's ranks) retries messages and sends heartbeats every 3-5 s by default
+# (MS_RETRY_INTERVAL_LOWER/UPPER, documented, in whole seconds), so every local multi-process test waited
+# seconds to start and to shut down. Its local clusters need no such spacing; a setting from outside wins.
+os.environ.setdefault("MS_RETRY_INTERVAL_LOWER", "1")
+os.environ.setdefault("MS_RETRY_INTERVAL_UPPER", "1")
+
 
 @pytest.fixture(autouse=True)
 def graph_mode():
