@@ -2,6 +2,7 @@
 concatenated global batch, and gradients all-reduced once per optimizer step whatever micro_size is."""
 import glob
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import mindspore as ms
@@ -19,10 +20,22 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py"
 RANKS = 2
 
 
-def _launch(tmp_path_factory, task, mode):
-    out = tmp_path_factory.mktemp(f"{task}_{mode}")
-    msrun(WORKER, [str(out), task, mode], RANKS, str(out / "logs"))
-    return out
+# The module's msrun jobs: (task, parallel mode) for dp_worker.py.
+JOBS = {"data_parallel": ("train", "data_parallel"), "stand_alone": ("train", "stand_alone"),
+        "graphs": ("graphs", "data_parallel")}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Each job's output folder. The jobs are independent processes on their own free ports, so they run side
+    by side: most of a 2-rank job is waiting (start-up, cluster set-up), not computing."""
+    outs = {name: tmp_path_factory.mktemp(f"{task}_{mode}") for name, (task, mode) in JOBS.items()}
+    with ThreadPoolExecutor(len(JOBS)) as pool:
+        futures = [pool.submit(msrun, WORKER, [str(outs[name]), *JOBS[name]], RANKS, str(outs[name] / "logs"))
+                   for name in JOBS]
+        for future in futures:
+            future.result()   # re-raises a failed job's AssertionError, with its ranks' log tails
+    return outs
 
 
 def _load_ranks(out):
@@ -34,13 +47,13 @@ def _params(rank_arrays, prefix):
 
 
 @pytest.fixture(scope="module")
-def data_parallel(tmp_path_factory):
-    return _load_ranks(_launch(tmp_path_factory, "train", "data_parallel"))
+def data_parallel(launched):
+    return _load_ranks(launched["data_parallel"])
 
 
 @pytest.fixture(scope="module")
-def stand_alone(tmp_path_factory):
-    return _load_ranks(_launch(tmp_path_factory, "train", "stand_alone"))
+def stand_alone(launched):
+    return _load_ranks(launched["stand_alone"])
 
 
 def _single_process_reference(ranks, prefix, optimizer):
@@ -203,8 +216,8 @@ def _all_reduce_counts(out, name):
     return counts
 
 
-def test_data_parallel_all_reduces_per_step_do_not_grow_with_micro_size(tmp_path_factory):
-    out = _launch(tmp_path_factory, "graphs", "data_parallel")
+def test_data_parallel_all_reduces_per_step_do_not_grow_with_micro_size(launched):
+    out = launched["graphs"]
     plain = _all_reduce_counts(out, "plain")
     # The MLP has 6 parameters: DistributedGradReducer all-reduces each once, outside the micro-batch loop.
     assert plain == [6] * RANKS
