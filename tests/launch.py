@@ -4,7 +4,8 @@ import os
 import socket
 import subprocess
 import sys
-from typing import List
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Tuple
 
 from probe import REPO
 
@@ -41,3 +42,12 @@ def msrun(script: str, args: List[str], workers: int, log_dir: str, timeout: flo
         logs = "".join(_tail(os.path.join(log_dir, f"worker_{rank}.log")) for rank in range(workers))
         raise AssertionError(f"msrun {os.path.basename(script)} {' '.join(args)} failed ({status}):\n"
                              f"{output[-2000:]}\n{logs}{_tail(os.path.join(log_dir, 'scheduler.log'))}")
+
+
+def side_by_side(calls: Dict[str, Tuple[Callable, tuple]]) -> Dict[str, Any]:
+    """``{name: function(*args)}`` for ``calls = {name: (function, args)}``, all started at once; the first
+    failure is re-raised. For independent msrun jobs (their own processes, free ports and log folders): most of a
+    2-rank job is start-up and cluster set-up, not computing, so side by side they take much less time."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {name: pool.submit(function, *args) for name, (function, args) in calls.items()}
+        return {name: future.result() for name, future in futures.items()}

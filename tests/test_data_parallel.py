@@ -2,7 +2,6 @@
 concatenated global batch, and gradients all-reduced once per optimizer step whatever micro_size is."""
 import glob
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import mindspore as ms
@@ -13,7 +12,7 @@ from dp_worker import MAX_GRAD_NORM
 
 from helpers import (TokenLoss, assert_params_close, assert_params_moved, make_mlp, make_optimizer, make_token_net,
                      max_abs_diff, train_steps, params_of)
-from launch import msrun
+from launch import msrun, side_by_side
 from test_loss_scale import _ClippedStep, _ce
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py")
@@ -27,14 +26,10 @@ JOBS = {"data_parallel": ("train", "data_parallel"), "stand_alone": ("train", "s
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Each job's output folder. The jobs are independent processes on their own free ports, so they run side
-    by side: most of a 2-rank job is waiting (start-up, cluster set-up), not computing."""
+    """Each job's output folder; the jobs run side by side (a failed one raises with its ranks' log tails)."""
     outs = {name: tmp_path_factory.mktemp(f"{task}_{mode}") for name, (task, mode) in JOBS.items()}
-    with ThreadPoolExecutor(len(JOBS)) as pool:
-        futures = [pool.submit(msrun, WORKER, [str(outs[name]), *JOBS[name]], RANKS, str(outs[name] / "logs"))
-                   for name in JOBS]
-        for future in futures:
-            future.result()   # re-raises a failed job's AssertionError, with its ranks' log tails
+    side_by_side({name: (msrun, (WORKER, [str(out), *JOBS[name]], RANKS, str(out / "logs")))
+                  for name, out in outs.items()})
     return outs
 
 

@@ -5,11 +5,10 @@ pool peak plus the bytes of every Parameter the train cell holds.
 """
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from launch import msrun
+from launch import msrun, side_by_side
 from probe import TESTS, run_train_probe
 
 BATCH = 16384
@@ -86,9 +85,7 @@ def test_memory_parameter_heavy_model_data_parallel(tmp_path):
     # The three runs are separate processes, so they run side by side (each reports its own pool peak).
     runs = {"floor": ("plain", 1, 16), "accumulate_steps": ("accumulate_steps", 8, 128),
             "accumulate": ("accumulate", 8, 128)}
-    with ThreadPoolExecutor(len(runs)) as pool:
-        futures = {name: pool.submit(footprint_mb, *args, str(tmp_path / name)) for name, args in runs.items()}
-        results = {name: future.result() for name, future in futures.items()}
+    results = side_by_side({name: (footprint_mb, (*args, str(tmp_path / name))) for name, args in runs.items()})
     floor, weights = results["floor"]
     for kind, bound in (("accumulate_steps", 1.0), ("accumulate", 1.5)):
         total = results[kind][0]
