@@ -103,7 +103,8 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         net = ms.amp.auto_mixed_precision(net, "O2")
         loss_fn = _Float32Loss(loss_fn)
     loss_net = nn.WithLossCell(net, loss_fn)
-    if kind == "tokens":   # the same loss as a sum and a count: the token path's bookkeeping, nothing else
+    per_token_loss = kind == "tokens"
+    if per_token_loss:   # the same loss as a sum and a count: the token path's bookkeeping, nothing else
         kind, loss_net = "accumulate", _SumAndCount(net)
     optimizer = nn.SGD(net.trainable_params(), 0.01, loss_scale=sens or 1.0)
     weight_bytes = sum(p.size * p.itemsize for p in net.trainable_params())
@@ -113,7 +114,7 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         parts = [(Tensor(x[i * rows:(i + 1) * rows]), Tensor(y[i * rows:(i + 1) * rows])) for i in range(micro_size)]
         return lambda: [cell(*part) for part in parts][-1].asnumpy(), _parameter_bytes(cell), weight_bytes
     if kind == "accumulate":
-        loss_net = GradAccumulationCell(loss_net, micro_size)
+        loss_net = GradAccumulationCell(loss_net, micro_size, per_token_loss=per_token_loss)
     elif kind == "mindspore":
         loss_net = nn.GradAccumulationCell(loss_net, micro_size)
     elif kind != "plain":

@@ -1,19 +1,128 @@
-"""Parameter-shaped accumulation buffers and scalar window state.
+"""The accumulation buffers and how their sums become the mean gradient: every in-place buffer operation and every
+divisor of the package.
 
-They are ``Parameter``s (``requires_grad=False``): gradients are added into them in place as they are
-produced, memory accounting that counts Parameters sees them, and checkpoints carry them, so a checkpoint
-taken in the middle of an accumulation window resumes exactly. Names carry stable prefixes because they end up
-in checkpoints: ``accu_grads.<weight name>`` for gradient sums, ``accu_state.<name>`` for counters.
+How the sums are normalised (one rule for both cells and both loss kinds). Each micro-batch contributes a value and
+a count, and its backward pass runs on ``loss * scale * weight``:
+
+- a mean loss over ``rows`` rows (``per_token_loss=False``) counts ``rows / unit`` and has weight ``rows / unit``,
+  where ``unit`` is the rows of the largest micro-batch of the batch (of the first batch of an
+  ``AccumulatingTrainOneStepCell`` window). Evenly split batches of one size therefore count 1 per micro-batch and
+  add their gradients unweighted; the smaller micro-batches of an uneven split, or a short batch in a window,
+  are weighted by their rows, so the result is the mean over all rows, as the full batch would give;
+- a ``(loss_sum, count)`` network (``per_token_loss=True``) counts its ``count`` and has weight 1.
+
+The buffers then hold ``scale * sum(weight * gradient)``, and the mean gradient is the buffers divided by
+:func:`divisor` ``= scale * total count / devices factor`` (the count being summed over devices for token losses,
+see ``_reduce.TokenTotals``). The value returned as the loss is ``sum(weight * loss) / total count``.
+
+Buffers are ``Parameter``s (``requires_grad=False``) named ``accu_grads.<weight name>``: gradients are added into
+them in place as they are produced, memory accounting that counts Parameters sees them, and checkpoints carry
+them. Scalar window state is ``accu_state.<name>``.
 """
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import numpy as np
-from mindspore import ops, Parameter, ParameterTuple, Tensor
+from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
+
+from ms_gradaccum._microbatch import plan
 
 GRAD_PREFIX = "accu_grads"
 STATE_PREFIX = "accu_state"
 _LOW_PRECISION = (mstype.float16, mstype.bfloat16)
+
+
+# --- pure functions (unit-tested exactly) -------------------------------------------------------------------------
+
+def count_unit(batch: int, micro_size: int) -> int:
+    """The rows of the largest micro-batch when `batch` rows are split into `micro_size`: the unit in which a mean
+    loss counts its rows, so that evenly split micro-batches count exactly 1."""
+    return plan(batch, micro_size)[0][1]
+
+
+def micro_batch_counts(batch: int, micro_size: int, unit: int) -> Tuple[Tuple[int, float], ...]:
+    """``((micro-batches, count of each), ...)`` for a mean loss, following :func:`~ms_gradaccum._microbatch.plan`.
+
+    >>> micro_batch_counts(32, 4, 8)
+    ((4, 1.0),)
+    >>> micro_batch_counts(30, 4, 8)
+    ((2, 1.0), (2, 0.875))
+    """
+    return tuple((count, rows / unit) for count, rows in plan(batch, micro_size))
+
+
+# --- the buffers ----------------------------------------------------------------------------------------------------
+
+def buffer_dtype(weight: Parameter):
+    """float32 for float16/bfloat16 weights, so that sums of many micro-batches cannot overflow; else the weight's."""
+    return mstype.float32 if weight.dtype in _LOW_PRECISION else weight.dtype
+
+
+class GradientBuffers(nn.Cell):
+    """The ``accu_grads.<weight>`` buffers of a cell, one per trained weight, created when first asked for.
+
+    :meth:`for_weights` returns the buffers of exactly the weights given, creating missing ones and dropping those
+    of weights no longer trained, so a frozen weight costs no buffer memory and is not in checkpoints.
+    """
+
+    def __init__(self):
+        super().__init__(auto_prefix=False)
+
+    def for_weights(self, weights: Sequence[Parameter]) -> ParameterTuple:
+        keys = [f"{GRAD_PREFIX}.{weight.name}" for weight in weights]
+        for key, weight in zip(keys, weights):
+            buffer = self._params.get(key)
+            if buffer is None or buffer.shape != weight.shape or buffer.dtype != buffer_dtype(weight):
+                self.insert_param_to_cell(key, Parameter(Tensor(np.zeros(weight.shape), buffer_dtype(weight)),
+                                                         name=key, requires_grad=False), check_name_contain_dot=False)
+        for key in [key for key in self._params if key not in keys]:
+            del self._params[key]
+        return ParameterTuple([self._params[key] for key in keys])
+
+
+def state_scalar(name: str, value, dtype=mstype.int32) -> Parameter:
+    """A scalar window counter or setting, saved in checkpoints as ``accu_state.<name>``."""
+    return Parameter(Tensor(value, dtype), name=f"{STATE_PREFIX}.{name}", requires_grad=False)
+
+
+# --- in-place operations (graph mode: no gradient-sized temporary per weight) ----------------------------------------
+
+def add_gradients(buffers, grads, overwrite=False, after=None):
+    """``buffers += grads`` (``=`` when `overwrite`), in place, cast to the buffers' dtype.
+
+    Returns `after` made to depend on the writes. The writes go last weight first: side effects on Parameters run
+    in program order, and the backward pass produces the last layer's gradient first, so in this order each
+    gradient is added, and freed, as soon as it exists instead of all of them waiting for the first layer's
+    (measured on four 1536-wide Dense layers: 9 MB of gradients alive at once instead of 27 MB).
+    """
+    for j in range(len(grads) - 1, -1, -1):
+        grad = ops.cast(grads[j], buffers[j].dtype)
+        write = ops.assign(buffers[j], grad) if overwrite else ops.assign_add(buffers[j], grad)
+        after = write if after is None else ops.depend(after, write)
+    return after
+
+
+def divide_in_place(buffers, divisor):
+    """Each buffer / `divisor` (a scalar Tensor), in the buffer's dtype; returns the buffers.
+
+    In graph mode ``/=`` on a Parameter divides in place (InplaceDiv), so the mean costs no memory; in PyNative
+    mode it is an ordinary division, as correct.
+    """
+    out = ()
+    for buffer in buffers:
+        buffer /= ops.cast(divisor, buffer.dtype)
+        out += (buffer,)
+    return out
+
+
+def clear(buffers, after):
+    """buffers = 0, in place, once `after` has been computed; one buffer after another, so that only one
+    buffer-sized zero tensor exists at a time."""
+    for buffer in buffers:
+        # The data dependency on `after` (the optimizer's result) orders the reset after the gradient is used.
+        after = ops.depend(after, ops.assign(buffer, ops.depend(ops.zeros_like(buffer), after)))
+    return after
+
 
 _cast_like = ops.MultitypeFuncGraph("_cast_like")
 
@@ -23,43 +132,20 @@ def _cast_like_tensor(tensor, like):
     return ops.cast(tensor, like.dtype)
 
 
-def gradient_buffers(weights: Sequence[Parameter]) -> ParameterTuple:
-    """One zero buffer per weight; float32 for float16/bfloat16 weights, so sums cannot overflow."""
-    buffers = []
-    for weight in weights:
-        dtype = mstype.float32 if weight.dtype in _LOW_PRECISION else weight.dtype
-        buffers.append(Parameter(Tensor(np.zeros(weight.shape), dtype), name=f"{GRAD_PREFIX}.{weight.name}",
-                                 requires_grad=False))
-    return ParameterTuple(buffers)
-
-
-def state_scalar(name: str, value, dtype=mstype.int32) -> Parameter:
-    """A scalar window counter or setting, saved in checkpoints as ``accu_state.<name>``."""
-    return Parameter(Tensor(value, dtype), name=f"{STATE_PREFIX}.{name}", requires_grad=False)
-
-
-def clear(buffers, after):
-    """buffers = 0, in place, once ``after`` has been computed; one buffer after another, so that only one
-    buffer-sized zero tensor exists at a time (all at once they would cost as much as the buffers)."""
-    for buffer in buffers:
-        # The data dependency on `after` (the optimizer's result) orders the reset after the gradient is used.
-        after = ops.depend(after, ops.assign(buffer, ops.depend(ops.zeros_like(buffer), after)))
-    return after
-
-
-def divided_in_place(tensors, divisor):
-    """Each tensor / divisor (a scalar Tensor), in the tensor's dtype (float32 buffers for low-precision weights).
-
-    In graph mode ``/=`` divides in place (MindSpore compiles it to InplaceDiv), so the window's mean costs no
-    memory; in PyNative mode it is an ordinary division, as correct.
-    """
-    out = ()
-    for tensor in tensors:
-        tensor /= ops.cast(divisor, tensor.dtype)
-        out += (tensor,)
-    return out
-
-
 def cast_like(hyper_map, tensors, weights):
     """Each tensor cast to its weight's dtype, for the optimizer."""
     return hyper_map(_cast_like, tensors, weights)
+
+
+# --- divisors -------------------------------------------------------------------------------------------------------
+
+def divisor(scale, count, factor):
+    """What the buffers are divided by for the mean gradient: ``scale * count / factor``, or infinity when the count
+    is 0 (nothing to learn from: the mean gradient is then exactly 0, not 0/0)."""
+    value = scale * count / factor
+    return ops.select(count > 0, value, ops.fill(mstype.float32, (), float("inf")))
+
+
+def mean_loss(value, count):
+    """``value / count``, or 0 when the count is 0 (a batch without a single valid token)."""
+    return ops.select(count > 0, value / ops.select(count > 0, count, ops.ones_like(count)), ops.zeros_like(value))

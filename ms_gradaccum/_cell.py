@@ -1,19 +1,34 @@
-"""The public cells: validate the arguments, wire the parts, ``construct``."""
+"""GradAccumulationCell: validate, wire the parts, ``construct`` (the hand-over to the wrapping train cell)."""
 import mindspore as ms
-from mindspore import nn, ops, Tensor, ParameterTuple
+from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
-from ms_gradaccum._loop import GradientOf, MicroBatchGradients, PrecisionNeutral, mean_divisor
-from ms_gradaccum._reduce import TokenTotals
-from ms_gradaccum._parallel import ParallelPassAccumulation, parallel_pass_mode
-from ms_gradaccum._validation import check_cell, check_has_trainable_params, check_positive_int, warn_batch_norm
+from ms_gradaccum._buffers import GradientBuffers
+from ms_gradaccum._engine import MicroBatchGradients
+from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, CompileChecks, compile_time,
+                                     enclosing_train_cell, parallel_mode, primexpr, run_compile_checks)
+from ms_gradaccum._loss_scale import PrecisionNeutral
+from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
+from ms_gradaccum._validation import (check_bool, check_cell, check_has_parameters, check_positive_int,
+                                      no_trained_weights_error, warn_batch_norm)
 
-# Names that mindspore.train.amp._is_grad_accumulation routes into _TrainGradAccuStepCell, whose optimizer
-# reads buffers that only the semi-auto-parallel compiler pass fills: outside that mode it trains nothing.
-_ROUTED_NAMES = frozenset({"GradAccumulationCell", "GradAccumulation"})
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
+
+
+@primexpr
+def _count_unit(batch: int, micro_size: int) -> float:
+    return float(_buffers.count_unit(batch, micro_size))
+
+
+def validate_arguments(network, micro_size, per_token_loss) -> tuple:
+    """The checks both variants of the cell run before assigning anything: ``(micro_size, per_token_loss)``."""
+    check_cell(network, "network", _NAME)
+    micro_size = check_positive_int(micro_size, "micro_size", _NAME)
+    per_token_loss = check_bool(per_token_loss, "per_token_loss", _NAME)
+    check_has_parameters(network, "network", _NAME)
+    return micro_size, per_token_loss
 
 
 class GradAccumulationCell(PrecisionNeutral):
@@ -27,6 +42,10 @@ class GradAccumulationCell(PrecisionNeutral):
     their gradients are summed, and the wrapping ``nn.TrainOneStepCell`` (built by you or by ``Model``) sees
     exactly the mean gradient, so the optimizer steps once per batch with the full-batch update.
 
+    Which weights: those the wrapping train cell differentiates (its optimizer's parameters), or, without a train
+    cell around it (``mindspore.value_and_grad``), those with ``requires_grad=True``; read when the graph compiles,
+    so freezing or unfreezing after the cell is built is followed. Only those weights get a buffer.
+
     How it plugs into an unmodified ``nn.TrainOneStepCell``: each micro-batch's gradient is added, in place
     and as soon as the backward pass produces it, into one buffer per weight, ``accu_grads.<weight>`` (float32
     for float16 weights; a Parameter, so it is visible in ``get_parameters()`` and saved in checkpoints).
@@ -38,14 +57,14 @@ class GradAccumulationCell(PrecisionNeutral):
     overwrites them), so a run resumed from a checkpoint is exact with or without them.
 
     Loss scaling (mixed precision): every micro-batch's backward pass runs on its loss times the loss scale,
-    so float16/bfloat16 gradients do not underflow; the sums are kept in float32 and unscaled once, in float32,
+    so float16 gradients do not underflow; the sums are kept in float32 and unscaled once, in float32,
     before the wrapping cell's ``sens`` multiplies them back and the optimizer divides it out (no double
     scaling). The scale is `loss_scale` when given, else the fixed ``sens`` of the MindSpore train cell that
     wraps this one (``nn.TrainOneStepCell(..., sens=S)``, which ``Model`` builds for
-    ``FixedLossScaleManager(S, drop_overflow_update=False)``), read when the graph is compiled. An overflowing
-    micro-batch makes the gradient non-finite, so wrappers that check for overflow skip the step. For a scale
-    that changes while training, and to skip overflowing steps on CPU, wrap this cell in
-    :class:`AccumulatingTrainOneStepCell` with ``scale_sense``.
+    ``FixedLossScaleManager(S, drop_overflow_update=False)``), read when the graph is compiled. A network that
+    computes in float16 with no scale at all gets a ``UserWarning`` when the graph compiles. For a scale that
+    changes while training, and to skip overflowing steps on CPU, use :class:`AccumulatingTrainOneStepCell` with
+    ``micro_size`` and ``scale_sense``.
 
     Under ``SEMI_AUTO_PARALLEL`` and ``AUTO_PARALLEL`` (Ascend/GPU) the cell instead presents itself to
     MindSpore's own parallel pipeline: it wraps :class:`mindspore.parallel.nn.GradAccumulation` (which marks
@@ -54,22 +73,21 @@ class GradAccumulationCell(PrecisionNeutral):
     optimizer shards. The output is still the mean loss. The parallel mode in force when the cell is
     created decides which mechanism it uses.
 
-    Peak memory follows the micro-batch: it is that of one plain training step on one micro-batch, plus the
-    input batch and the accumulator (one float32 copy of the weights), less the gradients a plain step holds
-    all at once and the accumulation frees as they come. The loop over micro-batches is a graph-mode
-    ``while`` loop, so compile time does not grow with ``micro_size``.
+    Under data parallel, the first step checks that every rank starts from the same weights (one small
+    all-gather) and stops with the name of the first differing parameter if not.
 
     Equivalence with full-batch training holds when the loss is a mean over the batch and the network treats
-    samples independently, or when `network` returns ``(loss_sum, count)`` (e.g. a masked token loss and the
-    number of valid tokens): then the gradient is that of ``sum(loss_sum) / sum(count)`` over the whole batch
-    (and over all devices under data parallel, the count being summed once per step). It does not hold for
-    BatchNorm (statistics are per micro-batch, and moving averages are updated ``micro_size`` times per step;
-    a ``UserWarning`` at construction names such cells) or dropout (different random masks).
+    samples independently, or, with ``per_token_loss=True``, when `network` returns ``(loss_sum, count)`` (e.g. a
+    masked token loss and the number of valid tokens): then the gradient is that of ``sum(loss_sum) / sum(count)``
+    over the whole batch (and over all devices under data parallel, the count being summed once per step). It does
+    not hold for BatchNorm (statistics are per micro-batch, and moving averages are updated ``micro_size`` times
+    per step; a ``UserWarning`` at construction names such cells) or dropout (different random masks).
 
     Args:
         network (Cell): A cell returning a scalar loss, e.g. ``nn.WithLossCell(net, loss_fn)``, or any loss
-            cell taking one or more tensor inputs (data, label, sample weight, ...); or a cell returning
-            ``(loss_sum, count)``, two scalars. Every input is split along axis 0.
+            cell taking one or more tensor inputs (data, label, sample weight, ...). Every input is split along
+            axis 0. Only the loss is carried through: a network returning a tuple is refused unless
+            `per_token_loss` says it is ``(loss_sum, count)``.
         micro_size (int): The NUMBER of micro-batches each batch is split into (not the size of one; the name
             is MindSpore's). Any batch size works: a batch not divisible by it is split as evenly as possible
             (sizes differing by at most one row) and each micro-batch is weighted by its rows.
@@ -77,23 +95,29 @@ class GradAccumulationCell(PrecisionNeutral):
             ``None``: that of the train cell wrapping this one (1.0 if none). A number or scalar Tensor: fixed.
             A Parameter is read live at every step, e.g. ``mindspore.amp.DynamicLossScaler(...).scale_value`` in
             a functional training step. Default: ``None``.
+        per_token_loss (bool): Whether `network` returns ``(loss_sum, count)``, two scalars: the gradient is then
+            divided by the count of the whole batch. A batch whose total count is 0 hands over a zero gradient
+            and returns loss 0 (under ``nn.TrainOneStepCell`` the optimizer still steps on that zero gradient;
+            :class:`AccumulatingTrainOneStepCell` skips such a step exactly). Default: ``False``.
 
     Inputs:
         - **\*inputs** (Tensor) - The inputs of `network`, all with the same batch size :math:`B` on axis 0.
 
     Outputs:
         Tensor, a float32 scalar: the full-batch loss, i.e. the row-weighted mean of the micro-batch losses, or
-        ``sum(loss_sum) / sum(count)`` for a ``(loss_sum, count)`` network. ``LossMonitor`` prints this number.
+        ``sum(loss_sum) / sum(count)`` with `per_token_loss`. ``LossMonitor`` prints this number.
 
     Raises:
-        TypeError: If `network` is not a Cell, `micro_size` is not an int (bool included), or `loss_scale` is
-            not None, a number or a scalar Tensor.
-        ValueError: If `micro_size` < 1, `loss_scale` is not positive and finite, or `network` has no trainable
-            parameter.
-        ValueError: At graph compile time, if the wrapping train cell changes its loss scale while training
-            (``nn.TrainOneStepWithLossScaleCell`` with a ``DynamicLossScaleUpdateCell``); the message gives the fix.
-        ValueError: At graph compile time, if an input has no batch axis or an empty one, the inputs' batch sizes
-            differ, or `network` returns neither a scalar loss nor a tuple of two scalars.
+        TypeError: If `network` is not a Cell, `micro_size` is not an int (bool included), `per_token_loss` is not
+            a bool, or `loss_scale` is not None, a number or a scalar Tensor.
+        ValueError: If `micro_size` < 1, `loss_scale` is not positive and finite, or `network` has no parameter.
+        ValueError: At graph compile time, if no weight of `network` is trained, the wrapping train cell changes
+            its loss scale while training (``nn.TrainOneStepWithLossScaleCell`` with a
+            ``DynamicLossScaleUpdateCell``; the message gives the fix), an input has no batch axis or an empty one,
+            the inputs' batch sizes differ, or `network` does not return what `per_token_loss` says.
+        ValueError: At run time, with `per_token_loss`, if a count is negative or not finite; under data parallel,
+            if the ranks start from different weights.
+        RuntimeError: At graph compile time, under data parallel without ``mindspore.communication.init()``.
 
     Supported Platforms:
         ``CPU``
@@ -114,70 +138,121 @@ class GradAccumulationCell(PrecisionNeutral):
         ()
     """
 
-    def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None):
-        check_cell(network, "network", _NAME)
-        micro_size = check_positive_int(micro_size, "micro_size", _NAME)
-        loss_scale = _loss_scale.explicit_loss_scale(loss_scale, _NAME)
-        weights = check_has_trainable_params(network, "network", _NAME)
+    def __new__(cls, *args, **kwargs):
+        # The mechanism is chosen here, once: in semi-auto/auto parallel MindSpore's parallel pass accumulates, and
+        # the cell built is the subclass that hands the work to it (every attribute of each variant always exists).
+        if cls is GradAccumulationCell and parallel_mode() in PARALLEL_PASS_MODES:
+            from ms_gradaccum._parallel import ParallelPassGradAccumulationCell  # pylint: disable=import-outside-toplevel
+            cls = ParallelPassGradAccumulationCell
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: bool = False):
+        micro_size, per_token_loss = validate_arguments(network, micro_size, per_token_loss)
+        scale = _loss_scale.for_grad_accumulation_cell(loss_scale, self, network, _NAME)
         if micro_size > 1:
             warn_batch_norm(network, _NAME, f"micro_size={micro_size} micro-batches")
         super().__init__(auto_prefix=False)
         self.network = network
         self.micro_size = micro_size
-        self.weights = ParameterTuple(weights)
-        # Where the scale of the micro-batch backward passes comes from (see _loss_scale): a Parameter kept
-        # as an attribute is read live each step; a number is a constant; None is the wrapper's, at compile time.
-        self.live_scale = isinstance(loss_scale, ms.Parameter)
-        if self.live_scale:
-            self.loss_scale = loss_scale
-        else:
-            self.fixed_scale = loss_scale
-        self.key = _loss_scale.register(self)
-        self.parallel_pass = parallel_pass_mode()
-        if self.parallel_pass:
-            self.parallel_accumulation = ParallelPassAccumulation(network, micro_size, self.key)
-        else:
-            self.accu_grads = _buffers.gradient_buffers(self.weights)
-            self.micro_batch_gradients = MicroBatchGradients(network, self.weights, self.accu_grads, micro_size,
-                                                             per_batch_mean=False)
-            self.token_totals = TokenTotals()
-            self.gradient_of = GradientOf()
+        self.per_token_loss = per_token_loss
+        self.explicit_loss_scale = loss_scale is not None
+        self.loss_scale = scale
+        self.gradient_buffers = GradientBuffers()
+        self.engine = MicroBatchGradients(network, micro_size, per_token_loss, overwrite=True,
+                                          targets=self._targets, cls_name=_NAME)
+        self.token_totals = TokenTotals(per_token_loss, _NAME)
+        self.replicas = ReplicaCheck(self._targets, _NAME)
+        self.gradient_of = GradientOf()
+        self.compile_checks = CompileChecks(self)
+
+    def check_at_compile(self) -> None:
+        """What is checked when the graph compiles (and at every call in PyNative mode): see _internals.CompileChecks."""
+        check_data_parallel_ready(_NAME)
+        if not self._trained_weights():
+            raise no_trained_weights_error(_NAME, self.network)
+        self._resolve()
+        self.loss_scale.check()
 
     @property
     def cls_name(self) -> str:
-        # mindspore.train.amp._is_grad_accumulation reads cls_name to pick Model's training wrapper.
-        # Under a routed name this cell would be handed to _TrainGradAccuStepCell and train nothing.
-        # In the parallel-pass modes that routing is wanted (and the wrapped MindSpore cell triggers it anyway).
-        if getattr(self, "parallel_pass", False):
-            return "GradAccumulationCell"
+        # mindspore.train.amp._is_grad_accumulation reads cls_name to pick Model's training wrapper; under a routed
+        # name this cell would be handed to _TrainGradAccuStepCell and train nothing (see _internals).
         name = type(self).__name__
-        return _UNROUTED_NAME if name in _ROUTED_NAMES else name
+        return _UNROUTED_NAME if name in ROUTED_NAMES else name
 
-    def backward_scale(self):
-        """The loss scale the micro-batch backward passes run with, as a float32 scalar Tensor."""
-        if self.live_scale:
-            return ops.cast(self.loss_scale, mstype.float32).reshape(())
-        if self.fixed_scale is None:
-            return Tensor(_loss_scale.wrapper_loss_scale(self.key), mstype.float32)
-        return Tensor(self.fixed_scale, mstype.float32)
+    def _trained_weights(self) -> list:
+        """The weights the wrapping train cell differentiates (its optimizer's), or those with ``requires_grad=True``
+        without one."""
+        wrapper = enclosing_train_cell(self)
+        if wrapper is None:
+            return self.network.trainable_params()
+        trained = {id(weight) for weight in wrapper.weights}
+        return [param for param in self.network.get_parameters() if id(param) in trained]
+
+    def _resolve(self) -> tuple:
+        """``(weights, buffers)``: the trained weights and their buffers (created when first needed, dropped when
+        unused), resolved from this cell's own graph, where the wrapping train cell is visible, and remembered for
+        the engine, whose graph is compiled apart. check_at_compile raises first when no weight is trained."""
+        weights = self._trained_weights() or list(self.network.get_parameters())
+        resolved = (ParameterTuple(weights), self.gradient_buffers.for_weights(weights))
+        object.__setattr__(self, "_resolved", resolved)   # not a Cell attribute: nothing is registered
+        return resolved
+
+    def _targets(self) -> tuple:
+        """What :meth:`_resolve` last found (the engine and the replica check read this)."""
+        resolved = self.__dict__.get("_resolved")
+        return resolved if resolved is not None else self._resolve()
+
+    @compile_time
+    def weights(self) -> ParameterTuple:
+        """The weights whose gradients this cell accumulates, as of now (the graph reads this when it compiles)."""
+        return self._resolve()[0]
+
+    @compile_time
+    def accu_grads(self) -> ParameterTuple:
+        """Their ``accu_grads.<weight>`` buffers."""
+        return self._resolve()[1]
+
+    @compile_time
+    def targets_key(self) -> str:
+        # Names the weights for the engine's compile cache, so PyNative mode compiles again when they change.
+        return ",".join(f"{weight.name}#{id(weight)}" for weight in self._resolve()[0])
 
     def construct(self, *inputs):
-        if self.parallel_pass:
-            return self.parallel_accumulation(*inputs)
-        scale = self.backward_scale()
-        result = self.micro_batch_gradients(ms.mutable(inputs), scale)
-        if len(result) == 2:   # a (loss_sum, count) network: divide by the count of the whole (global) batch
-            loss_sum, count, factor = self.token_totals(result[0], result[1])
-            loss = loss_sum / count
-            divisor = scale * count / factor
-        else:
-            loss = result[0]
-            divisor = scale * mean_divisor(inputs[0].shape[0], self.micro_size)
+        run_compile_checks(self.compile_checks)
+        # Under data parallel, the first step first checks that every rank holds the same weights.
+        scale = self.replicas(self.loss_scale())
+        unit = Tensor(_count_unit(inputs[0].shape[0], self.micro_size), mstype.float32)
+        value, count = self.engine(ms.mutable(inputs), scale, unit, self.targets_key)
+        value, count, factor = self.token_totals(value, count)
         # The hand-over reads the buffers: this data dependency orders it after the micro-batch loop (the loss
-        # exists only once the loop is done). Behind stop_gradient, or autodiff fails on networks with BatchNorm.
-        loss = ops.stop_gradient(loss)
-        divisor = ops.depend(divisor, loss)
+        # exists only once the loop is done). Behind stop_gradient (the engine's outputs carry no gradient), or
+        # autodiff fails on networks with BatchNorm ("Operator 'k_hole' is invalid").
+        loss = ops.stop_gradient(_buffers.mean_loss(value, count))
+        divisor = ops.stop_gradient(ops.depend(_buffers.divisor(scale, count, factor), loss))
         for weight, buffer in zip(self.weights, self.accu_grads):
             # Adds zero; its backward hands each weight its buffer, unscaled (in float32) and times the sens.
             loss = loss + self.gradient_of(weight, buffer, divisor)
         return loss
+
+
+class GradientOf(PrecisionNeutral):
+    """Zero in the forward pass; in the backward pass, hands ``buffer * dout / divisor`` to `weight` as its gradient.
+
+    This is how an unmodified ``nn.TrainOneStepCell`` (and so ``Model``) receives the accumulated gradient: the
+    backward of this cell scales the buffer in place and returns the buffer itself, so no gradient-sized
+    tensor is created after the loop (autodiff of ``sum(stop_gradient(g) * weight)`` would create one).
+    ``dout`` is the wrapper's ``sens`` (its loss scale, or 1) and `divisor` the ``_buffers.divisor`` of the sums,
+    so the wrapper gets exactly ``mean_gradient * sens``.
+    """
+
+    def construct(self, weight, buffer, divisor):
+        # Depends on `weight`, or autodiff prunes this cell and `weight` gets no gradient from it.
+        return ops.depend(ops.zeros((), mstype.float32), weight)
+
+    def bprop(self, weight, buffer, divisor, out, dout):
+        # In graph mode `*=` updates the Parameter in place (CPU kernel graph: Mul then Assign, weight by weight); an
+        # ops.assign(buffer, buffer * f) would allocate a product per weight, all alive at once (measured: +27 MB
+        # on four 1536-wide Dense layers). In PyNative mode it is an ordinary product, as correct.
+        buffer *= ops.cast(dout, buffer.dtype) / ops.cast(divisor, buffer.dtype)
+        return ops.cast(buffer, weight.dtype), ops.zeros_like(buffer), ops.zeros_like(divisor)

@@ -1,40 +1,52 @@
-"""Loss scaling: the scale every micro-batch backward runs with, where it comes from, overflow and clipping.
+"""The loss scale: one object per cell, from one source, applied in one place and removed in one place.
 
-A loss scale only protects low-precision gradients if it is applied to the backward pass that computes them.
-``GradAccumulationCell`` runs its micro-batch backward passes inside its own forward, before the wrapping
-train cell applies its ``sens``; so the scale has to be known when the forward runs. It comes from, in order:
-the live ``scale_sense`` of an :class:`AccumulatingTrainOneStepCell` (passed in at run time), an explicit
-``loss_scale`` argument, or the fixed scale of the MindSpore train cell that wraps the cell, read when the
-graph is compiled (:func:`wrapper_loss_scale`).
+A loss scale only protects float16 gradients if it multiplies the loss of the backward pass that computes them.
+Both cells run their micro-batch backward passes themselves, so the scale must be known when those run. It comes
+from exactly one source, chosen when the cell is built (:func:`for_grad_accumulation_cell`,
+:func:`for_train_cell`):
+
+- a fixed number (``GradAccumulationCell(..., loss_scale=1024.0)``);
+- a live Parameter read at every step (``loss_scale=`` a Parameter such as ``DynamicLossScaler.scale_value``, or
+  ``AccumulatingTrainOneStepCell``'s ``scale_sense``);
+- the fixed ``sens`` of the train cell that wraps a ``GradAccumulationCell`` (what ``Model`` builds for a
+  ``FixedLossScaleManager``), read when the graph compiles;
+- none: 1.0, with a ``UserWarning`` when the network computes in float16.
+
+Calling the object gives the float32 scale. The engine applies it (``_engine.ScaledLoss``: loss times scale
+before each micro-batch backward) and ``_buffers.divisor`` removes it from the float32 sums, once.
 """
-import inspect
 import numbers
+import warnings
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple
 
 import numpy as np
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
-from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell
-from mindspore.ops.primitive import _primexpr
 
-from ms_gradaccum._validation import argument_error, describe
+from ms_gradaccum._internals import applied_sens, compile_time, enclosing_train_cell
+from ms_gradaccum._validation import argument_error, computes_in_float16
 
 _SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)
-# GradAccumulationCell instances by key, so the compile-time lookup (which only gets constants) finds its cell.
-_CELLS = weakref.WeakValueDictionary()
-
-
-def register(cell: nn.Cell) -> str:
-    """A constant key under which :func:`wrapper_loss_scale` finds ``cell`` while its graph compiles."""
-    key = f"ms_gradaccum.{id(cell)}"
-    _CELLS[key] = cell
-    return key
-
-
 _SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
                                    "nn.FixedLossScaleUpdateCell",
                    "loss_scale": "None, a positive finite float, or a scalar Tensor or Parameter"}
+_PRECISION_FLAGS = ("fp16", "fp32", "bf16")
+
+
+class PrecisionNeutral(nn.Cell):
+    """A cell of this package's machinery that ``to_float`` / amp levels pass through to the user's network.
+
+    ``Cell.to_float`` (what ``Model``'s ``amp_level="O2"/"O3"`` calls) flags every cell in the tree, and a
+    flagged cell casts every float tensor it handles, including the float32 sums and the loss scale, which breaks
+    the micro-batch loop ("Type Join Failed: Float32, Float16"). The network inside keeps its flags.
+    """
+
+    def add_flags_recursive(self, **flags):
+        self.add_flags(**{key: value for key, value in flags.items() if key not in _PRECISION_FLAGS})
+        for cell in self.cells():
+            cell.add_flags_recursive(**flags)
+        return self
 
 
 def check_scale_value(value: Any, arg_name: str, cls_name: str) -> float:
@@ -56,19 +68,6 @@ def check_scale_value(value: Any, arg_name: str, cls_name: str) -> float:
     return number
 
 
-def scale_parameter(scale_sense: Any, cls_name: str) -> tuple:
-    """``(Parameter 'scale_sense', update cell or None)`` from what ``nn.TrainOneStepWithLossScaleCell`` takes."""
-    if isinstance(scale_sense, nn.Cell):
-        if not isinstance(scale_sense, _SCALE_MANAGERS):
-            raise TypeError(argument_error(cls_name, "scale_sense", _SCALE_EXPECTED["scale_sense"], scale_sense))
-        value = check_scale_value(scale_sense.get_loss_scale(), "scale_sense", cls_name)
-        manager = scale_sense
-    else:
-        value = check_scale_value(scale_sense, "scale_sense", cls_name)
-        manager = None
-    return Parameter(Tensor(value, mstype.float32), name="scale_sense", requires_grad=False), manager
-
-
 def check_max_grad_norm(value: Any, cls_name: str) -> Optional[float]:
     """``None`` (no clipping) or a positive finite float."""
     if value is None:
@@ -80,85 +79,126 @@ def check_max_grad_norm(value: Any, cls_name: str) -> Optional[float]:
     return float(value)
 
 
-def explicit_loss_scale(loss_scale: Union[None, float, Tensor], cls_name: str) -> Union[None, float, Parameter]:
-    """``None`` (find the wrapper's), a float, or a Parameter kept as is so its updates are seen live."""
-    if loss_scale is None or isinstance(loss_scale, Parameter):
-        if isinstance(loss_scale, Parameter):
-            check_scale_value(loss_scale, "loss_scale", cls_name)
-        return loss_scale
-    return check_scale_value(loss_scale, "loss_scale", cls_name)
+class LossScale(PrecisionNeutral):
+    """Calling it gives the float32 loss scale of the micro-batch backward passes (see the module docstring)."""
+
+    def __init__(self, cls_name: str, network: nn.Cell, fix: str):
+        super().__init__(auto_prefix=False)
+        # Plain attributes, not cells: the network belongs to the owning cell's tree, not to this one.
+        object.__setattr__(self, "_cls_name", cls_name)
+        object.__setattr__(self, "_network", weakref.ref(network))
+        object.__setattr__(self, "_fix", fix)
+        object.__setattr__(self, "_warned", False)
+
+    def check(self) -> None:
+        """Raises what is wrong with the scale, and warns, when the owner's graph compiles (see _internals)."""
+
+    def warn_if_float16(self) -> None:
+        """One UserWarning per cell when its network computes in float16 and no scale reaches its backward passes."""
+        network = self._network()
+        if self._warned or network is None or not computes_in_float16(network):
+            return
+        object.__setattr__(self, "_warned", True)
+        warnings.warn(
+            f"{self._cls_name}: the network computes in float16, but no loss scale reaches its micro-batch backward "
+            f"passes, so small gradients underflow to zero (a full batch whose loss is scaled outside the cell would "
+            f"keep them). {self._fix}", UserWarning, stacklevel=2)
 
 
-def _enclosing_train_cells(cell: nn.Cell) -> list:
-    """Train cells (``nn.TrainOneStepCell`` and subclasses) around ``cell``, innermost first.
+class FixedScale(LossScale):
+    """A number given by the user."""
 
-    Searched from the cells whose Python frames are on the stack: in graph mode that is the top cell being
-    compiled; in PyNative mode every cell being called.
-    """
-    roots, found = [], []
-    for frame_info in inspect.stack(0):
-        owner = frame_info.frame.f_locals.get("self")
-        if isinstance(owner, nn.Cell) and all(owner is not root for root in roots):
-            roots.append(owner)
-    for root in roots:
-        for _, candidate in root.cells_and_names():
-            if isinstance(candidate, nn.TrainOneStepCell) and all(candidate is not f for f in found):
-                if any(sub is cell for _, sub in candidate.cells_and_names()):
-                    found.append(candidate)
-    return sorted(found, key=lambda c: len(list(c.cells_and_names())))
+    def __init__(self, value: float, cls_name: str, network: nn.Cell, fix: str):
+        super().__init__(cls_name, network, fix)
+        self.value = float(value)
+
+    def construct(self):
+        return Tensor(self.value, mstype.float32)
 
 
-def _applied_scale(train_cell: nn.Cell) -> float:
-    """The loss scale ``train_cell`` applies as the ``sens`` of its backward pass, when that scale is fixed."""
-    manager = getattr(train_cell, "loss_scaling_manager", None)
-    if isinstance(manager, nn.DynamicLossScaleUpdateCell):
-        raise ValueError(
-            "For 'GradAccumulationCell', the train cell that wraps it changes its loss scale while training "
-            f"({type(train_cell).__name__} with a DynamicLossScaleUpdateCell, which Model builds for a "
-            "DynamicLossScaleManager), but GradAccumulationCell runs its micro-batch backward passes inside its "
-            "forward and cannot follow that scale. Either train with Model(AccumulatingTrainOneStepCell("
-            "GradAccumulationCell(loss_net, micro_size), optimizer, 1, scale_sense=manager.get_update_cell())), "
-            "which scales every micro-batch and skips overflowing steps, or use a FixedLossScaleManager.")
-    if isinstance(train_cell, nn.TrainOneStepWithLossScaleCell):
-        return float(train_cell.scale_sense.asnumpy().reshape(()))
-    sens = getattr(train_cell, "sens", None)
-    if getattr(train_cell, "sense_flag", False) and isinstance(sens, numbers.Real) and not isinstance(sens, bool):
-        return float(sens)
-    return 1.0
+class LiveScale(LossScale):
+    """A Parameter read at every step (the user's scaler, or ``scale_sense``)."""
+
+    def __init__(self, parameter: Parameter, cls_name: str, network: nn.Cell, fix: str):
+        super().__init__(cls_name, network, fix)
+        self.parameter = parameter
+
+    def construct(self):
+        return ops.cast(self.parameter, mstype.float32).reshape(())
 
 
-def _innermost_wrapper(key: str) -> Optional[nn.Cell]:
-    cell = _CELLS.get(key)
-    if cell is None:
-        return None
-    wrappers = _enclosing_train_cells(cell)
-    return wrappers[0] if wrappers else None
+class NoScale(LossScale):
+    """No loss scaling (AccumulatingTrainOneStepCell without ``scale_sense``)."""
+
+    def check(self) -> None:
+        self.warn_if_float16()
+
+    def construct(self):
+        return Tensor(1.0, mstype.float32)
 
 
-@_primexpr
-def wrapper_loss_scale(key: str) -> float:
-    """The fixed loss scale (``sens``) of the innermost train cell wrapping cell ``key``; 1.0 without one.
+class WrapperScale(LossScale):
+    """The fixed ``sens`` of the train cell wrapping `owner`, read when the graph compiles (1.0 without one)."""
 
-    Runs in Python while the graph compiles (it is a ``_primexpr``), so the value is a constant of the graph:
-    ``nn.TrainOneStepCell(..., sens=S)`` (which ``Model`` builds for ``FixedLossScaleManager(S,
-    drop_overflow_update=False)``) gives S, as does ``nn.TrainOneStepWithLossScaleCell`` with a fixed scale.
-    """
-    wrapper = _innermost_wrapper(key)
-    return 1.0 if wrapper is None else _applied_scale(wrapper)
+    def __init__(self, owner: nn.Cell, cls_name: str, network: nn.Cell, fix: str):
+        super().__init__(cls_name, network, fix)
+        object.__setattr__(self, "_owner", weakref.ref(owner))
+
+    @compile_time
+    def value(self) -> float:
+        wrapper = enclosing_train_cell(self._owner())
+        scale = 1.0 if wrapper is None else applied_sens(wrapper)
+        return 1.0 if scale is None else scale
+
+    def check(self) -> None:
+        wrapper = enclosing_train_cell(self._owner())
+        scale = 1.0 if wrapper is None else applied_sens(wrapper)
+        if scale is None:
+            raise ValueError(
+                f"For '{self._cls_name}', the train cell that wraps it changes its loss scale while training "
+                f"({type(wrapper).__name__} with a DynamicLossScaleUpdateCell, which Model builds for a "
+                f"DynamicLossScaleManager), but {self._cls_name} runs its micro-batch backward passes inside its "
+                f"forward and cannot follow that scale. Either train with Model(AccumulatingTrainOneStepCell("
+                f"loss_net, optimizer, 1, micro_size=micro_size, scale_sense=manager.get_update_cell())), which "
+                f"scales every micro-batch and skips overflowing steps, or use a FixedLossScaleManager.")
+        if scale == 1.0:
+            self.warn_if_float16()
+
+    def construct(self):
+        return Tensor(self.value, mstype.float32)
 
 
-@_primexpr
-def missing_loss_scale(key: str) -> float:
-    """The loss scale that the optimizer divides out but the wrapping train cell never applies.
+_CELL_FIX = ("Pass the scale to the cell: GradAccumulationCell(loss_net, micro_size, loss_scale=scaler.scale_value) "
+             "(the scaler's Parameter, read live) or loss_scale=1024.0.")
+_TRAIN_CELL_FIX = ("Pass one: AccumulatingTrainOneStepCell(..., scale_sense=nn.DynamicLossScaleUpdateCell(2**12, 2, "
+                   "1000)) or scale_sense=1024.0.")
 
-    Only MindSpore's ``_TrainGradAccuStepCell`` (what ``Model`` builds in semi-auto/auto parallel for a
-    ``FixedLossScaleManager(S, drop_overflow_update=False)``) leaves one: the optimizer's ``loss_scale`` S.
-    Every other wrapper applies its own scale (1.0 here, so nothing is scaled twice).
-    """
-    wrapper = _innermost_wrapper(key)
-    if isinstance(wrapper, _TrainGradAccuStepCell) and not wrapper.sense_flag:
-        return float(getattr(wrapper.optimizer, "loss_scale", 1.0))
-    return 1.0
+
+def for_grad_accumulation_cell(loss_scale: Any, owner: nn.Cell, network: nn.Cell, cls_name: str) -> LossScale:
+    """`loss_scale` of GradAccumulationCell: None (the wrapper's), a number, a scalar Tensor or a Parameter."""
+    if loss_scale is None:
+        return WrapperScale(owner, cls_name, network, _CELL_FIX)
+    value = check_scale_value(loss_scale, "loss_scale", cls_name)
+    if isinstance(loss_scale, Parameter):
+        return LiveScale(loss_scale, cls_name, network, _CELL_FIX)
+    return FixedScale(value, cls_name, network, _CELL_FIX)
+
+
+def for_train_cell(scale_sense: Any, network: nn.Cell, cls_name: str) -> Tuple[LossScale, Optional[nn.Cell]]:
+    """``(scale, update cell or None)`` from what ``nn.TrainOneStepWithLossScaleCell`` takes as `scale_sense`; the
+    scale lives in a Parameter named ``scale_sense`` (checkpoints carry it)."""
+    if scale_sense is None:
+        return NoScale(cls_name, network, _TRAIN_CELL_FIX), None
+    if isinstance(scale_sense, nn.Cell):
+        if not isinstance(scale_sense, _SCALE_MANAGERS):
+            raise TypeError(argument_error(cls_name, "scale_sense", _SCALE_EXPECTED["scale_sense"], scale_sense))
+        value = check_scale_value(scale_sense.get_loss_scale(), "scale_sense", cls_name)
+        manager = scale_sense
+    else:
+        value = check_scale_value(scale_sense, "scale_sense", cls_name)
+        manager = None
+    parameter = Parameter(Tensor(value, mstype.float32), name="scale_sense", requires_grad=False)
+    return LiveScale(parameter, cls_name, network, _TRAIN_CELL_FIX), manager
 
 
 _all_finite = ops.MultitypeFuncGraph("_all_finite")
@@ -170,6 +210,6 @@ def _all_finite_tensor(grad):
 
 
 def all_finite(hyper_map, grads) -> Tensor:
-    """True when every gradient is finite: a portable overflow check (CPU too), on the fp32 sums."""
+    """True when every gradient is finite: a portable overflow check (CPU too), on the float32 sums."""
     flags = hyper_map(_all_finite, grads)
     return ops.stack(flags).all()

@@ -1,40 +1,69 @@
-"""Cross-device sums for token-normalised losses, once per optimizer step.
+"""Everything that crosses devices under data parallel, once per optimizer step (or once per job).
 
-For a ``(loss_sum, count)`` network the update is ``sum(gradients of loss_sum) / sum(count)`` over the global
-batch. Gradients are still reduced by the wrapping train cell's ``DistributedGradReducer`` (which averages
-over the ``group_size`` devices when ``gradients_mean`` is set); this module sums the loss and the count
-across devices in one 2-element all-reduce, and says by how much the local gradient must be multiplied so
-that the wrapper's reduction gives the global token mean.
+- :class:`TokenTotals`: the loss value and count of token losses summed over devices in one 2-float all-reduce.
+- :class:`InPlaceAllReduce`: the gradient all-reduce of ``nn.DistributedGradReducer``, done in place on buffers.
+- :class:`ReplicaCheck`: at the first step, all ranks must hold the same weights (one small all-gather, once).
+
+Every one of them decides when the graph compiles whether data parallel is in force (the parallel context may be set
+after the cell is built), and refuses data parallel without ``mindspore.communication.init()``, which would
+otherwise crash the process at the first step.
 """
+from typing import Callable
+
 import mindspore as ms
-from mindspore import ops
+from mindspore import nn, ops, Parameter, Tensor
+from mindspore.common import dtype as mstype
 from mindspore.communication import get_group_size
 
-from ms_gradaccum._loop import PrecisionNeutral
+from ms_gradaccum._internals import communication_initialized, compile_time, parallel_mode, reducer_all_reduces
+from ms_gradaccum._loss_scale import PrecisionNeutral
+
+
+def data_parallel() -> bool:
+    """Whether data parallel is in force (read when a graph compiles: the context may be set after the cell is built)."""
+    return parallel_mode() == ms.ParallelMode.DATA_PARALLEL and communication_initialized()
+
+
+def check_data_parallel_ready(cls_name: str) -> None:
+    """A clear error when data parallel is in force but communication was never initialised."""
+    if parallel_mode() == ms.ParallelMode.DATA_PARALLEL and not communication_initialized():
+        raise RuntimeError(
+            f"For '{cls_name}', the parallel mode is data_parallel but mindspore.communication.init() has not been "
+            f"called, so there is no group to reduce the gradients over (MindSpore would crash at the first step). "
+            f"Call init() before training, and start the job with msrun or mpirun; or remove "
+            f"set_auto_parallel_context(parallel_mode='data_parallel') to train on one device.")
 
 
 class TokenTotals(PrecisionNeutral):
-    """``(global loss_sum, global count, gradient factor)`` from this device's sums.
+    """``(global value, global count, gradient factor)`` from this device's sums, for token losses.
 
-    The factor is the device count when the gradients are averaged across devices (``gradients_mean=True``)
+    The factor is the device count when the wrapping reducer averages gradients over devices (``gradients_mean``)
     and 1 otherwise, so that ``factor * local_gradient_sum / global_count``, reduced by the wrapper, equals the
-    global batch's ``sum(gradients) / sum(count)``. Stand-alone, everything passes through.
+    global batch's ``sum(gradients) / sum(count)``. Stand-alone, and for mean losses (whose per-device mean the
+    reducer averages, as in plain data-parallel training), everything passes through.
     """
 
-    def __init__(self):
+    def __init__(self, per_token_loss: bool, cls_name: str):
         super().__init__(auto_prefix=False)
-        self.data_parallel = ms.get_auto_parallel_context("parallel_mode") == ms.ParallelMode.DATA_PARALLEL
-        self.factor = 1.0
-        if self.data_parallel:
-            self.all_reduce = ops.AllReduce()
-            if ms.get_auto_parallel_context("gradients_mean"):
-                self.factor = float(get_group_size())
+        self.per_token_loss = per_token_loss
+        self.owner_name = cls_name
+        self.all_reduce = ops.AllReduce()
 
-    def construct(self, loss_sum, count):
-        if self.data_parallel:
-            both = self.all_reduce(ops.stack((loss_sum, count)))
+    @compile_time
+    def reduced(self) -> bool:
+        return self.per_token_loss and data_parallel()
+
+    @compile_time
+    def factor(self) -> float:
+        if self.reduced and ms.get_auto_parallel_context("gradients_mean"):
+            return float(get_group_size())
+        return 1.0
+
+    def construct(self, value, count):
+        if self.reduced:
+            both = self.all_reduce(ops.stack((value, count)))
             return both[0], both[1], self.factor
-        return loss_sum, count, self.factor
+        return value, count, self.factor
 
 
 class InPlaceAllReduce(PrecisionNeutral):
@@ -45,17 +74,13 @@ class InPlaceAllReduce(PrecisionNeutral):
     whose gradient sits in ``accu_grads`` buffers can instead write each sum back into its buffer, one buffer
     after another, so that only one gradient-sized temporary exists at a time and the optimizer reads the
     buffers themselves. Same all-reduce primitives and the same filter of ``layerwise_parallel`` weights as the
-    reducer; the caller divides by :attr:`mean_divisor` (the device count when the reducer averages, else 1).
+    reducer; the caller divides by :attr:`devices` when the reducer averages.
     """
 
-    def __init__(self, reducer):
+    def __init__(self, reducer: nn.DistributedGradReducer):
         super().__init__(auto_prefix=False)
-        self.reduce = tuple(reducer.allreduce_filter)
-        if reducer.split_fusion:
-            self.all_reduces = tuple(reducer.op_list)
-        else:
-            self.all_reduces = (reducer.allreduce,) * len(self.reduce)
-        self.mean_divisor = float(round(1.0 / float(reducer.degree.asnumpy()))) if reducer.mean else 1.0
+        self.reduce, self.all_reduces, averages, devices = reducer_all_reduces(reducer)
+        self.devices = devices if averages else 1.0
 
     def construct(self, buffers, after):
         """Sums every buffer across devices in place, once ``after`` exists; returns ``after`` after the writes."""
@@ -64,4 +89,90 @@ class InPlaceAllReduce(PrecisionNeutral):
                 buffer = buffers[j]
                 # Writes to Parameters run in program order, so each read follows the previous write.
                 after = ops.depend(after, ops.assign(buffer, self.all_reduces[j](ops.depend(buffer, after))))
+        return after
+
+
+class _Unsaved:
+    """Holds a Parameter out of the cell tree: not in ``get_parameters()``, so checkpoints do not carry it."""
+
+    def __init__(self, parameter: Parameter):
+        self.parameter = parameter
+
+
+# Samples taken from every weight: exact values, compared exactly (no reduction order can differ).
+_SAMPLES = 4
+
+
+class ReplicaCheck(PrecisionNeutral):
+    """Under data parallel, at the first step: the same weights on every rank, or a clear error before training.
+
+    Each rank takes a fingerprint of every weight it trains (a few of its values, exactly, and its sum of squares)
+    and the fingerprints are all-gathered once. A rank whose weights differ from rank 0's stops the job with the
+    name of the first differing parameter, before any update. Ranks that built their networks without a common seed
+    would otherwise train as different models, silently. Layerwise-parallel weights (never all-reduced) are not
+    compared. The "checked" flag is not a Parameter of the cell, so it is not in checkpoints: every new cell checks.
+    """
+
+    def __init__(self, targets: Callable, cls_name: str):
+        super().__init__(auto_prefix=False)
+        object.__setattr__(self, "_targets", targets)   # a bound method of the owner: (weights, buffers)
+        self.owner_name = cls_name
+        self._checked = _Unsaved(Parameter(Tensor(False), name="accu_state.replicas_checked", requires_grad=False))
+        object.__setattr__(self, "_all_gather", None)
+
+    @compile_time
+    def all_gather(self):
+        # Made when first compiled: the primitive reads the group size when created (1 before init()).
+        if self._all_gather is None:
+            object.__setattr__(self, "_all_gather", ops.AllGather())
+        return self._all_gather
+
+    @compile_time
+    def active(self) -> bool:
+        return data_parallel() and bool(self.names)
+
+    @compile_time
+    def compared(self):
+        """The weights all-reduced by data parallel (not layerwise-parallel ones)."""
+        return tuple(weight for weight in self._targets()[0] if not weight.layerwise_parallel)
+
+    @compile_time
+    def names(self) -> tuple:
+        return tuple(weight.name for weight in self.compared)
+
+    @compile_time
+    def checked(self) -> Parameter:
+        return self._checked.parameter
+
+    def _fingerprint(self):
+        rows = ()
+        for weight in self.compared:
+            flat = ops.cast(weight, mstype.float32).reshape(-1)
+            size = flat.shape[0]
+            picks = ()
+            for k in range(_SAMPLES):
+                picks += (flat[(size - 1) * k // (_SAMPLES - 1)],)
+            rows += (ops.concat((ops.stack(picks), ops.reshape((flat * flat).sum(), (1,)))),)
+        return ops.stack(rows)
+
+    def construct(self, after):
+        if self.active:
+            checked = self.checked
+            if not checked:
+                prints = self._fingerprint()                                    # (weights, samples + 1)
+                gathered = self.all_gather(prints).reshape((-1,) + prints.shape)  # (ranks, weights, samples + 1)
+                first = gathered[0]
+                samples_differ = (gathered[:, :, :_SAMPLES] != first[:, :_SAMPLES]).any(axis=2)
+                squares = gathered[:, :, _SAMPLES]
+                squares_differ = ops.abs(squares - first[:, _SAMPLES]) > 1e-5 * ops.abs(first[:, _SAMPLES]) + 1e-30
+                differ = ops.logical_or(samples_differ, squares_differ)       # (ranks, weights)
+                if differ.any():
+                    rank = ops.argmax(ops.cast(differ.any(axis=1), mstype.int32))
+                    index = ops.argmax(ops.cast(differ[rank], mstype.int32))
+                    raise ValueError(
+                        f"For '{self.owner_name}', data-parallel ranks must start from the same weights, but parameter "
+                        f"'{self.names[index]}' differs between rank 0 and rank {rank}, so the ranks would train as "
+                        f"different models. Call mindspore.set_seed(<same seed>) on every rank before building the "
+                        f"network, or load the same checkpoint on every rank.")
+                after = ops.depend(after, ops.assign(checked, Tensor(True)))
         return after

@@ -15,8 +15,11 @@ class GradAccumulationScheduler(Callback):
     A ``mindspore.train`` callback that sets an :class:`AccumulatingTrainOneStepCell`'s `accumulate_steps`
     at the start of each epoch, following `scheduling`, without recompiling.
 
-    It also tells the cell how many batches an epoch has (``Model``'s dataset size), so the last window of
-    every epoch is closed at the epoch's last batch and a new schedule value always starts a fresh window.
+    At the end of every epoch it applies the epoch's last, possibly short, window (:meth:`AccumulatingTrainOneStepCell.
+    flush`), so windows never span epochs and a new schedule value always starts a fresh window. Windows follow the
+    batches ``Model`` actually runs, whatever they are: with ``dataset_sink_mode=True`` and a ``sink_size`` on CPU
+    (where MindSpore runs the whole dataset each epoch while callbacks are told ``sink_size``), on devices that sink
+    ``sink_size`` batches per epoch, with a short last batch, or when a callback stops an epoch early.
 
     Args:
         scheduling (dict): ``{epoch: accumulate_steps}`` with zero-based epoch keys (int >= 0) and values
@@ -60,14 +63,17 @@ class GradAccumulationScheduler(Callback):
         return [steps for start, steps in self.scheduling.items() if start <= epoch][-1]
 
     def on_train_begin(self, run_context):
-        params = run_context.original_args()
-        self._cell = _find_accumulating_cell(params.train_network)
-        self._cell.set_steps_per_epoch(params.batch_num)
+        self._cell = _find_accumulating_cell(run_context.original_args().train_network)
 
     def on_train_epoch_begin(self, run_context):
         # cur_epoch_num is one-based and already counts the epoch that is starting.
         epoch = run_context.original_args().cur_epoch_num - 1
         self._cell.set_accumulate_steps(self.accumulate_steps_for(epoch))
+
+    def on_train_epoch_end(self, run_context):
+        # Called after the batches the epoch actually ran (not a count announced up front, which sink_size can
+        # make wrong): the window in progress is applied, weighted by what it holds.
+        self._cell.flush()
 
 
 def _find_accumulating_cell(network: nn.Cell) -> AccumulatingTrainOneStepCell:

@@ -1,4 +1,5 @@
-"""AccumulatingTrainOneStepCell: accumulation across dataset steps, one optimizer step every N calls."""
+"""AccumulatingTrainOneStepCell: one optimizer step every `accumulate_steps` batches, each batch optionally split into
+`micro_size` micro-batches."""
 from typing import Optional
 
 import mindspore as ms
@@ -6,34 +7,46 @@ from mindspore import nn, ops, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
+from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._cell import GradAccumulationCell
-from ms_gradaccum._loop import MicroBatchGradients, ScaledLoss, add_gradients
-from ms_gradaccum._reduce import InPlaceAllReduce, TokenTotals
-from ms_gradaccum._validation import (argument_error, check_cell, check_has_trainable_params,
+from ms_gradaccum._engine import MicroBatchGradients
+from ms_gradaccum._internals import CompileChecks, primexpr, run_compile_checks
+from ms_gradaccum._parallel import ParallelPassGradAccumulationCell
+from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
+from ms_gradaccum._validation import (argument_error, check_bool, check_cell, check_has_parameters,
                                       check_positive_int, warn_batch_norm)
 
 _NAME = "AccumulatingTrainOneStepCell"
 
 
+@primexpr
+def _count_unit(batch: int, micro_size: int) -> float:
+    return float(_buffers.count_unit(batch, micro_size))
+
+
 class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     r"""
-    A drop-in for ``nn.TrainOneStepCell`` that steps the optimizer once every `accumulate_steps` calls.
+    A drop-in for ``nn.TrainOneStepCell`` that steps the optimizer once every `accumulate_steps` calls, each call's
+    batch optionally split into `micro_size` micro-batches.
 
-    Each call runs forward and backward once on the given batch and adds the gradients into
-    parameter-shaped buffers (``accu_grads.<weight>``). When the window is complete the optimizer receives
-    the mean gradient of the window's batches, the gradients cross devices (data parallel) once, and the
-    buffers are cleared. So `accumulate_steps` calls with batch b give the update of one full-batch step
-    with batch ``accumulate_steps * b``. Between optimizer steps the weights do not change at all.
+    Each call runs forward and backward on the given batch (once per micro-batch, in turn, inside the compiled
+    graph) and adds the gradients into parameter-shaped buffers (``accu_grads.<weight>``, one per parameter of
+    the optimizer, as ``nn.TrainOneStepCell`` differentiates). When the window is complete the optimizer receives
+    the mean gradient over all the rows of the window's batches, the gradients cross devices (data parallel) once,
+    and the buffers are cleared. So `accumulate_steps` calls with batches of b rows give the update of one
+    full-batch step on their ``accumulate_steps * b`` rows; a shorter batch in a window counts its rows, not a full
+    batch's. Between optimizer steps the weights do not change at all.
 
-    Unlike :class:`GradAccumulationCell` (which splits ONE batch into micro-batches inside the graph), this
-    accumulates over consecutive dataset batches: use it when even one batch of the target size does not fit.
+    ``AccumulatingTrainOneStepCell(loss_net, opt, 1, micro_size=8)`` is :class:`GradAccumulationCell` as a train
+    cell; ``AccumulatingTrainOneStepCell(GradAccumulationCell(loss_net, 8), opt, 1)`` is the same thing (the
+    cell's `micro_size` and `per_token_loss` are taken over; giving them again differently is an error). Use
+    `accumulate_steps` when even one batch of the target size does not fit.
 
-    Windows and epochs: with `steps_per_epoch` set (the :class:`GradAccumulationScheduler` callback sets it
-    from ``Model``'s dataset), the last window of an epoch closes at the epoch's last batch even when it is
-    short, and it is weighted by its true number of batches (the mean over the batches it holds, not the sum
-    divided by `accumulate_steps`); an epoch shorter than `accumulate_steps` still trains, once. Without it,
-    windows run across epoch boundaries, and a partial window at the end of training stays pending until
-    :meth:`flush` applies it.
+    Windows and epochs: with `steps_per_epoch` set, the last window of an epoch closes at the epoch's last batch
+    even when it is short, weighted by what it holds; an epoch shorter than `accumulate_steps` still trains, once.
+    Under ``Model``, :class:`GradAccumulationScheduler` closes every epoch's last window at the end of the epoch
+    that actually ran. Otherwise windows run across epoch boundaries, and a partial window at the end of training
+    stays pending until :meth:`flush` applies it.
 
     The optimizer's own step counter, and so its learning-rate schedule, advances once per optimizer step.
     The returned loss is the current batch's loss (what ``LossMonitor`` prints); the mean loss of the last
@@ -41,33 +54,37 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     parameters: checkpoints carry them, and a run resumed from a checkpoint taken mid-window ends with the
     same weights as an uninterrupted one.
 
-    Mixed precision: with `scale_sense`, every batch's backward pass (and, for a :class:`GradAccumulationCell`
-    network, every micro-batch's) runs on the loss times the current scale; the float32 window sums are
-    averaged, reduced across devices and unscaled once. If that gradient is not finite (an overflow in any
-    batch or micro-batch of the window, on any device) the optimizer step is skipped: weights and optimizer
-    state (moments, ``global_step``) stay bit-unchanged, the buffers are cleared, and a
-    ``nn.DynamicLossScaleUpdateCell`` lowers the scale once (and raises it after ``scale_window`` clean
-    steps). This check works on CPU too, where MindSpore's own overflow-skipping wrappers do not compile.
-    With `max_grad_norm`, the unscaled, reduced window gradient is clipped by global norm once per optimizer
-    step (``ops.clip_by_global_norm``), as the full batch would be.
+    Mixed precision: with `scale_sense`, every batch's (and micro-batch's) backward pass runs on the loss times the
+    current scale; the float32 window sums are reduced across devices and divided once by the scale and the
+    window's count. If that gradient is not finite (an overflow in any batch or micro-batch of the window, on any
+    device) the optimizer step is skipped: weights and optimizer state (moments, ``global_step``) stay
+    bit-unchanged, the buffers are cleared, and a ``nn.DynamicLossScaleUpdateCell`` lowers the scale once (and
+    raises it after ``scale_window`` clean steps). This check works on CPU too, where MindSpore's own
+    overflow-skipping wrappers do not compile. A float16 network without `scale_sense` gets a ``UserWarning`` when
+    the graph compiles. With `max_grad_norm`, the unscaled, reduced window gradient is clipped by global norm once
+    per optimizer step (``ops.clip_by_global_norm``), as the full batch would be.
 
-    A :class:`GradAccumulationCell` as `network` is driven directly: its micro-batch loop runs with this cell's
-    scale, so ``Model(AccumulatingTrainOneStepCell(GradAccumulationCell(loss_net, 8), opt, 1,
-    scale_sense=..., max_grad_norm=1.0))`` gives micro-batches, loss scaling, overflow skipping and clipping
-    in one train cell.
+    Token losses: with `per_token_loss`, `network` returns ``(loss_sum, count)`` and the window's gradient is
+    divided by the window's total count (over all devices). A window whose total count is 0 updates nothing
+    (weights and optimizer state bit-unchanged, the loss scale untouched) and its loss is 0.
 
     Data parallel: the window's buffers are all-reduced in place, one after another, with the all-reduce
     primitives of the ``DistributedGradReducer`` that ``nn.TrainOneStepCell`` builds, and the optimizer reads
     the buffers; that reducer would hold a reduced copy of every gradient at once. This is the train cell to
-    use for parameter-heavy models on several devices, with or without a :class:`GradAccumulationCell` inside.
+    use for parameter-heavy models on several devices. The first step checks that every rank starts from the
+    same weights.
 
     Args:
-        network (Cell): A cell returning a scalar loss, e.g. ``nn.WithLossCell(net, loss_fn)``, or a
-            :class:`GradAccumulationCell`.
+        network (Cell): A cell returning a scalar loss, e.g. ``nn.WithLossCell(net, loss_fn)`` (or
+            ``(loss_sum, count)`` with `per_token_loss`), or a :class:`GradAccumulationCell`.
         optimizer (nn.Optimizer): The optimizer for the network's weights.
         accumulate_steps (int): Number of calls (batches) per optimizer step; 1 behaves like
             ``nn.TrainOneStepCell``. Changeable between calls with :meth:`set_accumulate_steps`, no recompiling.
-        steps_per_epoch (int, optional): Batches per epoch, to close the last window of each epoch.
+        micro_size (int, optional): The number of micro-batches each batch is split into (keyword only).
+            Default: ``None``: 1, or the `micro_size` of a :class:`GradAccumulationCell` `network`.
+        per_token_loss (bool, optional): Whether `network` returns ``(loss_sum, count)`` (keyword only).
+            Default: ``None``: ``False``, or that of a :class:`GradAccumulationCell` `network`.
+        steps_per_epoch (int, optional): Batches per epoch, to close the last window of each epoch (keyword only).
             Default: ``None`` (windows span epochs).
         scale_sense (Union[None, float, Tensor, Cell]): The loss scale, as ``nn.TrainOneStepWithLossScaleCell``
             takes it: a positive number or scalar Tensor (fixed), or an ``nn.DynamicLossScaleUpdateCell`` /
@@ -85,12 +102,18 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         this call closed a window whose step was skipped, and `scale` is the loss scale after the update.
 
     Raises:
-        TypeError: If `network` is not a Cell, `optimizer` not an ``nn.Optimizer``, `accumulate_steps` /
-            `steps_per_epoch` not an int, `scale_sense` not one of the accepted kinds, or `max_grad_norm` not a
-            number (bool is none of these).
-        ValueError: If `accumulate_steps` or `steps_per_epoch` < 1, `scale_sense` or `max_grad_norm` is not
-            positive and finite, `network` has no trainable parameter, the optimizer has a ``loss_scale``
-            other than 1 while `scale_sense` is given, or a GradAccumulationCell is nested inside `network`.
+        TypeError: If `network` is not a Cell, `optimizer` not an ``nn.Optimizer``, `accumulate_steps`,
+            `micro_size` or `steps_per_epoch` not an int, `per_token_loss` not a bool, `scale_sense` not one of the
+            accepted kinds, or `max_grad_norm` not a number (bool is none of these).
+        ValueError: If `accumulate_steps`, `micro_size` or `steps_per_epoch` < 1, `scale_sense` or `max_grad_norm`
+            is not positive and finite, `network` has no parameter, the optimizer has a ``loss_scale`` other than 1
+            while `scale_sense` is given, a GradAccumulationCell is nested inside `network`, or a
+            GradAccumulationCell `network` contradicts `micro_size` / `per_token_loss` or has its own
+            ``loss_scale``.
+        ValueError: At graph compile time, if `network` does not return what `per_token_loss` says; at run time,
+            with `per_token_loss`, if a count is negative or not finite; under data parallel, if the ranks start
+            from different weights.
+        RuntimeError: At graph compile time, under data parallel without ``mindspore.communication.init()``.
 
     Supported Platforms:
         ``CPU``
@@ -112,9 +135,8 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         >>> _ = step(x, y)            # window complete: one optimizer step
         >>> bool((net.weight.asnumpy() == before).all()), step.pending_batches
         (False, 0)
-        >>> from ms_gradaccum import GradAccumulationCell
-        >>> scaled = AccumulatingTrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, nn.MSELoss()), 4),
-        ...                                       nn.SGD(net.trainable_params(), 0.1), 1,
+        >>> scaled = AccumulatingTrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()),
+        ...                                       nn.SGD(net.trainable_params(), 0.1), 1, micro_size=4,
         ...                                       scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 12, 2, 1000),
         ...                                       max_grad_norm=1.0)
         >>> loss, overflow, scale = scaled(x, y)
@@ -122,38 +144,47 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         (False, 4096.0)
     """
 
-    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int,
+    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int, *,
+                 micro_size: Optional[int] = None, per_token_loss: Optional[bool] = None,
                  steps_per_epoch: Optional[int] = None, scale_sense=None, max_grad_norm: Optional[float] = None):
         check_cell(network, "network", _NAME)
         if not isinstance(optimizer, nn.Optimizer):
             raise TypeError(argument_error(_NAME, "optimizer", "a mindspore.nn.Optimizer", optimizer))
         accumulate_steps = check_positive_int(accumulate_steps, "accumulate_steps", _NAME)
+        loss_network, micro_size, per_token_loss = _loss_network(network, micro_size, per_token_loss)
         if steps_per_epoch is not None:
             steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
         max_grad_norm = _loss_scale.check_max_grad_norm(max_grad_norm, _NAME)
-        scale = None if scale_sense is None else _loss_scale.scale_parameter(scale_sense, _NAME)
-        check_has_trainable_params(network, "network", _NAME)
-        micro = _micro_batch_cell(network)
-        if micro is None and accumulate_steps > 1:
-            warn_batch_norm(network, _NAME, f"accumulate_steps={accumulate_steps} batches per optimizer step")
-        if scale is not None and float(getattr(optimizer, "loss_scale", 1.0)) != 1.0:
+        scale, manager = _loss_scale.for_train_cell(scale_sense, loss_network, _NAME)
+        check_has_parameters(loss_network, "network", _NAME)
+        parts = [f"micro_size={micro_size} micro-batches"] if micro_size > 1 else []
+        parts += [f"accumulate_steps={accumulate_steps} batches per optimizer step"] if accumulate_steps > 1 else []
+        if parts:
+            warn_batch_norm(loss_network, _NAME, " and ".join(parts))
+        if scale_sense is not None and float(getattr(optimizer, "loss_scale", 1.0)) != 1.0:
             raise ValueError(
                 f"For '{_NAME}', the optimizer's loss_scale must be 1.0 when 'scale_sense' is given (this cell "
                 f"unscales the gradients itself, and the optimizer would divide them again), but got "
                 f"{optimizer.loss_scale}. Create the optimizer without loss_scale.")
         super().__init__(network, optimizer)
-        # A GradAccumulationCell network is not differentiated through its gradient hand-over: its micro-batch
-        # loop runs here directly, with this cell's live loss scale, adding into its buffers, which then serve as
-        # this cell's window buffers (one set, ``accu_grads.<weight>``, as for any other network).
-        self.split_micro_batches = micro is not None
-        if self.split_micro_batches:
-            self.grad_sums = micro.accu_grads
-            self.micro_batch_gradients = MicroBatchGradients(micro.network, self.weights, self.grad_sums,
-                                                             micro.micro_size, per_batch_mean=True)
-        else:
-            self.grad_sums = _buffers.gradient_buffers(self.weights)
-            self.scaled_loss = ScaledLoss(network)
-        self.token_totals = TokenTotals()
+        self.micro_size = micro_size
+        self.per_token_loss = per_token_loss
+        self.loss_scale = scale
+        self.loss_scaled = scale_sense is not None
+        self.loss_scaling_manager = manager
+        if self.loss_scaled:
+            self.scale_sense = scale.parameter
+        # One set of buffers, for the optimizer's parameters (what nn.TrainOneStepCell differentiates). A
+        # GradAccumulationCell network is not differentiated through its hand-over: its loss network runs in this
+        # cell's engine, and its own buffers (if a graph of it was compiled before) are dropped, one name each.
+        if isinstance(network, GradAccumulationCell):
+            network.gradient_buffers.for_weights([])
+        self.gradient_buffers = GradientBuffers()
+        self.grad_sums = self.gradient_buffers.for_weights(self.weights)
+        self.engine = MicroBatchGradients(loss_network, micro_size, per_token_loss, overwrite=False,
+                                          targets=self._targets, cls_name=_NAME)
+        self.token_totals = TokenTotals(per_token_loss, _NAME)
+        self.replicas = ReplicaCheck(self._targets, _NAME)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).
         # AdaSum optimizers keep MindSpore's reducer (their own group and degree).
         self.reduce_in_place = self.reducer_flag and isinstance(self.grad_reducer, nn.DistributedGradReducer) and \
@@ -165,41 +196,44 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         self.epoch_position = _buffers.state_scalar("epoch_position", 0)
         self.accumulate_steps = _buffers.state_scalar("accumulate_steps", accumulate_steps)
         self.steps_per_epoch = _buffers.state_scalar("steps_per_epoch", steps_per_epoch or 0)
+        # The window's loss value and count (see _buffers: rows in units of count_unit for a mean loss, the
+        # network's count for a token loss), and the unit, fixed by the window's first batch.
         self.window_loss_sum = _buffers.state_scalar("window_loss_sum", 0.0, mstype.float32)
-        # For (loss_sum, count) networks: the window's count (stays 0 for mean losses).
         self.window_count = _buffers.state_scalar("window_count", 0.0, mstype.float32)
+        self.count_unit = _buffers.state_scalar("count_unit", 1.0, mstype.float32)
         self.window_loss = _buffers.state_scalar("last_window_loss", float("nan"), mstype.float32)
         self.hyper_map = ops.HyperMap()
-        self.loss_scaled = scale is not None
-        if self.loss_scaled:
-            self.scale_sense, self.loss_scaling_manager = scale
-        self.has_scale_manager = self.loss_scaled and self.loss_scaling_manager is not None
         self.clip = max_grad_norm is not None
         self.max_grad_norm = max_grad_norm
+        self.compile_checks = CompileChecks(self)
 
-    def _scale(self):
-        if self.loss_scaled:
-            return ops.cast(self.scale_sense, mstype.float32).reshape(())
-        return Tensor(1.0, mstype.float32)
+    def check_at_compile(self) -> None:
+        """What is checked when the graph compiles (and at every call in PyNative mode): see _internals.CompileChecks."""
+        check_data_parallel_ready(_NAME)
+        self.loss_scale.check()
+
+    def _targets(self) -> tuple:
+        """``(weights, buffers)``: the optimizer's parameters, as for nn.TrainOneStepCell, and their buffers."""
+        return self.weights, self.grad_sums
+
+    def _unit(self, batch):
+        """The count unit of this window: that of its first batch (see _buffers); unused for token losses."""
+        if self.per_token_loss:
+            return Tensor(1.0, mstype.float32)
+        unit = Tensor(_count_unit(batch, self.micro_size), mstype.float32)
+        if self.window_position == 0:
+            ops.assign(self.count_unit, unit)
+        return ops.depend(self.count_unit * 1.0, unit)
 
     def construct(self, *inputs):
-        scale = self._scale()
-        if self.split_micro_batches:
-            # Adds the batch's gradient (its mean, or its sum for a (loss_sum, count) network) into grad_sums.
-            result = self.micro_batch_gradients(ms.mutable(inputs), scale)
-            loss = result[0]
-            extra = result[1:]
-        else:
-            out, grads = ms.value_and_grad(self.scaled_loss, None, self.weights)(inputs, scale)
-            loss = add_gradients(self.grad_sums, grads, after=out[1])
-            extra = out[2:]
-        token = len(extra) == 1
-        # What is returned per call: the batch's mean loss (its token mean for a (loss_sum, count) network).
-        batch_loss = loss
-        if token:
-            count = extra[0]
-            batch_loss = ops.depend(loss / count, ops.assign_add(self.window_count, count))
-        batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_loss_sum, loss))
+        run_compile_checks(self.compile_checks)
+        # Under data parallel, the first step first checks that every rank holds the same weights.
+        scale = self.replicas(self.loss_scale())
+        value, count = self.engine(ms.mutable(inputs), scale, self._unit(inputs[0].shape[0]), "")
+        # What is returned per call: the batch's mean loss (its token mean for a token loss).
+        batch_loss = _buffers.mean_loss(value, count)
+        batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_loss_sum, value))
+        batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_count, count))
         batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_position, ops.ones((), mstype.int32)))
         batch_loss = ops.depend(batch_loss, ops.assign_add(self.epoch_position, ops.ones((), mstype.int32)))
         epoch_end = ops.logical_and(self.steps_per_epoch > 0, self.epoch_position >= self.steps_per_epoch)
@@ -207,42 +241,39 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
             batch_loss = ops.depend(batch_loss, ops.assign(self.epoch_position, ops.zeros((), mstype.int32)))
         overflow = Tensor(False, mstype.bool_)
         if ops.logical_or(self.window_position >= self.accumulate_steps, epoch_end):
-            overflow = self._apply_window(token)
+            overflow = self._apply_window(scale)
         if self.loss_scaled:
-            return batch_loss, overflow, ops.depend(self._scale(), overflow)
+            return batch_loss, overflow, ops.depend(self.loss_scale(), overflow)
         return ops.depend(batch_loss, overflow)
 
-    def _apply_window(self, token):
+    def _apply_window(self, scale):
         """Optimizer step with the window's mean gradient, reduced across devices once; then reset.
 
-        Returns whether the window overflowed (its step skipped). Order: mean of the window (over its
-        batches, or over its tokens for a (loss_sum, count) network, counted on every device), reduced across
-        devices, unscaled, all in float32; overflow is judged on that reduced gradient, so every device
-        decides the same; the scale is updated once; clipping and the optimizer run only on a finite gradient.
+        Returns whether the window overflowed (its step skipped). The buffers are divided once, in float32, by
+        ``_buffers.divisor`` (the loss scale times the window's count, counted on every device for token losses),
+        after the all-reduce when it is done in place; overflow is judged on that reduced gradient, so every device
+        decides the same; the scale is updated once; clipping and the optimizer run only on a finite gradient. A
+        window without a single counted token updates nothing and leaves the scale alone.
         """
-        if token:
-            loss_sum, count, factor = self.token_totals(self.window_loss_sum, self.window_count)
-            divisor = count / factor
-            window_loss = loss_sum / count
-        else:
-            divisor = ops.cast(self.window_position, mstype.float32)
-            window_loss = self.window_loss_sum / divisor
+        value, count, factor = self.token_totals(self.window_loss_sum, self.window_count)
+        empty = count <= 0
+        divisor = _buffers.divisor(scale, count, factor)
+        window_loss = _buffers.mean_loss(value, count)
         if self.reduce_in_place:
-            # Summed across devices in the buffers, one after another, then divided in place by the window's
-            # divisor times the device count when the reducer averages: no gradient-sized tensor per weight.
+            # Summed across devices in the buffers, one after another, then divided in place (times the device count
+            # when the reducer averages): no gradient-sized tensor per weight.
             after = self.in_place_reducer(self.grad_sums, divisor)
-            divisor = ops.depend(divisor, after) * self.in_place_reducer.mean_divisor
-            mean = _buffers.divided_in_place(self.grad_sums, divisor)
+            mean = _buffers.divide_in_place(self.grad_sums, ops.depend(divisor, after) * self.in_place_reducer.devices)
         else:
-            mean = self.grad_reducer(_buffers.divided_in_place(self.grad_sums, divisor))
+            mean = self.grad_reducer(_buffers.divide_in_place(self.grad_sums, divisor))
         overflow = Tensor(False, mstype.bool_)
         if self.loss_scaled:
-            mean = _buffers.divided_in_place(mean, self.scale_sense)
             overflow = ops.logical_not(_loss_scale.all_finite(self.hyper_map, mean))
-            if self.has_scale_manager:
-                overflow = self.loss_scaling_manager(self.scale_sense, overflow)
+            if self.loss_scaling_manager is not None:
+                if not empty:
+                    overflow = self.loss_scaling_manager(self.scale_sense, overflow)
         stepped = ops.zeros((), mstype.int32)
-        if not overflow:
+        if not ops.logical_or(overflow, empty):
             stepped = ops.depend(stepped, self._step(mean))
         # A scalar that exists only once the optimizer has run (or was skipped): resets depend on it.
         done = ops.depend(ops.zeros((), mstype.int32), stepped)
@@ -266,22 +297,14 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         return self.optimizer(_buffers.cast_like(self.hyper_map, mean, self.weights))
 
     @ms.jit
-    def _flush_tokens_graph(self):
-        return self._apply_window(True)
-
-    @ms.jit
     def _flush_graph(self):
-        return self._apply_window(False)
+        return self._apply_window(self.loss_scale())
 
     def flush(self) -> bool:
         """Apply a pending partial window now (e.g. at the end of a hand-written loop); True if there was one."""
         if self.pending_batches == 0:
             return False
-        # Only a (loss_sum, count) network leaves a count: the window is then divided by it.
-        if float(self.window_count.asnumpy()) > 0:
-            self._flush_tokens_graph()
-        else:
-            self._flush_graph()
+        self._flush_graph()
         return True
 
     @property
@@ -291,7 +314,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
 
     @property
     def last_window_loss(self) -> float:
-        """Mean loss over the batches of the last completed window (NaN before the first optimizer step)."""
+        """Mean loss over the rows (or tokens) of the last completed window (NaN before the first optimizer step)."""
         return float(self.window_loss.asnumpy())
 
     def set_accumulate_steps(self, accumulate_steps: int) -> None:
@@ -305,19 +328,36 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         self.steps_per_epoch.set_data(ms.Tensor(value, mstype.int32))
 
 
-def _micro_batch_cell(network: nn.Cell) -> Optional[GradAccumulationCell]:
-    """``network`` if it is a GradAccumulationCell this cell can drive directly; errors for the other cases."""
+def _loss_network(network: nn.Cell, micro_size: Optional[int], per_token_loss: Optional[bool]) -> tuple:
+    """``(loss network, micro_size, per_token_loss)``: a GradAccumulationCell is taken apart into what it holds (the
+    same as passing its arguments here); anything contradicting it, or a nested one, is an error."""
+    if micro_size is not None:
+        micro_size = check_positive_int(micro_size, "micro_size", _NAME)
+    if per_token_loss is not None:
+        per_token_loss = check_bool(per_token_loss, "per_token_loss", _NAME)
     if isinstance(network, GradAccumulationCell):
-        if network.parallel_pass:
+        if isinstance(network, ParallelPassGradAccumulationCell):
             raise ValueError(
                 f"For '{_NAME}', the argument 'network' is a GradAccumulationCell created under semi-auto/auto "
                 f"parallel, where MindSpore's parallel pass does the accumulation; train it with "
                 f"Model(GradAccumulationCell(...), optimizer=...) instead.")
-        return network
+        for name, given, held in (("micro_size", micro_size, network.micro_size),
+                                  ("per_token_loss", per_token_loss, network.per_token_loss)):
+            if given is not None and given != held:
+                raise ValueError(
+                    f"For '{_NAME}', the argument '{name}' is {given!r} but the GradAccumulationCell given as "
+                    f"'network' has {name}={held!r}. Give it once: either AccumulatingTrainOneStepCell(loss_net, "
+                    f"optimizer, accumulate_steps, {name}=...) or the GradAccumulationCell's.")
+        if network.explicit_loss_scale:
+            raise ValueError(
+                f"For '{_NAME}', the GradAccumulationCell given as 'network' has its own loss_scale, which this cell "
+                f"does not use (it scales every micro-batch by its own scale_sense). Build the GradAccumulationCell "
+                f"without loss_scale and pass the scale as scale_sense=... here.")
+        return network.network, network.micro_size, network.per_token_loss
     for name, cell in network.cells_and_names():
         if isinstance(cell, GradAccumulationCell):
             raise ValueError(
                 f"For '{_NAME}', a GradAccumulationCell must be the 'network' itself, but it is nested in "
-                f"{type(network).__name__} as '{name}'. Wrap the loss network in GradAccumulationCell last: "
-                f"{_NAME}(GradAccumulationCell(loss_net, micro_size), optimizer, accumulate_steps).")
-    return None
+                f"{type(network).__name__} as '{name}'. Wrap the loss network in GradAccumulationCell last, or "
+                f"pass micro_size here: {_NAME}(loss_net, optimizer, accumulate_steps, micro_size=...).")
+    return network, 1 if micro_size is None else micro_size, bool(per_token_loss)

@@ -7,7 +7,9 @@ import numbers
 import warnings
 from typing import Any
 
+import numpy as np
 from mindspore import nn
+from mindspore.common import dtype as mstype
 
 
 def describe(value: Any) -> str:
@@ -45,15 +47,40 @@ def check_cell(value: Any, arg_name: str, cls_name: str) -> nn.Cell:
     return value
 
 
-def check_has_trainable_params(network: nn.Cell, arg_name: str, cls_name: str) -> list:
-    """Return the trainable parameters of ``network``; none at all is an error, since nothing would train."""
-    params = network.trainable_params()
-    if not params:
+def check_bool(value: Any, arg_name: str, cls_name: str) -> bool:
+    """Return ``value`` if it is a bool (numpy's too); 0, 1 or None are not."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(argument_error(cls_name, arg_name, "a bool", value))
+    return bool(value)
+
+
+def check_has_parameters(network: nn.Cell, arg_name: str, cls_name: str) -> None:
+    """A network without any parameter can never train (which of them train is read when the graph compiles)."""
+    if not list(network.get_parameters()):
         raise ValueError(
-            f"For '{cls_name}', the argument '{arg_name}' must have trainable parameters, "
-            f"but {type(network).__name__} has none (all parameters have requires_grad=False, or there are none). "
-            f"Accumulating gradients of nothing would silently train nothing.")
-    return params
+            f"For '{cls_name}', the argument '{arg_name}' must have parameters to train, but {type(network).__name__} "
+            f"has none. Accumulating gradients of nothing would silently train nothing.")
+
+
+def no_trained_weights_error(cls_name: str, network: nn.Cell) -> ValueError:
+    """The error for a graph compiled when none of the network's parameters is trained."""
+    return ValueError(
+        f"For '{cls_name}', the network must have parameters to train when the graph compiles, but none of "
+        f"{type(network).__name__}'s parameters has requires_grad=True or is updated by the wrapping optimizer. "
+        f"Accumulating gradients of nothing would silently train nothing.")
+
+
+def computes_in_float16(network: nn.Cell) -> bool:
+    """Whether `network` computes in float16: ``to_float(float16)`` anywhere in it (what ``amp_level`` O2/O3 and
+    ``Cell.to_float`` set), an amp strategy in float16 (``amp_level="auto"``), or float16 weights. Not bfloat16,
+    whose range is float32's, so its gradients do not underflow."""
+    for _, cell in network.cells_and_names():
+        if cell.get_flags().get("fp16"):
+            return True
+        strategy = getattr(cell, "amp_strategy", None)
+        if strategy is not None and getattr(strategy, "get_amp_dtype", lambda: None)() == mstype.float16:
+            return True
+    return any(param.dtype == mstype.float16 for param in network.get_parameters())
 
 
 def batch_norm_cells(network: nn.Cell) -> list:

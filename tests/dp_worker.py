@@ -1,6 +1,6 @@
 """One rank of the 2-process data-parallel tests, started by msrun (see tests/launch.py).
 
-Usage: python dp_worker.py OUT_DIR {train|graphs} {data_parallel|stand_alone}
+Usage: python dp_worker.py OUT_DIR {train|graphs|unseeded|unseeded_plain|no_init} {data_parallel|stand_alone}
 - train: trains the test MLP for 3 steps through ms.Model (dataset sharded with num_shards/shard_id) and
   through a hand-written nn.TrainOneStepCell loop, and with AccumulatingTrainOneStepCell over consecutive
   smaller batches, and saves, per rank, the batches it consumed, the
@@ -8,6 +8,11 @@ Usage: python dp_worker.py OUT_DIR {train|graphs} {data_parallel|stand_alone}
 - graphs: compiles one step of plain training, GradAccumulationCell at micro_size 2 and 8, (control)
   a network that all-reduces inside its forward, and AccumulatingTrainOneStepCell with 4 steps per window,
   saving each graph's IR under OUT_DIR/graphs/<name>.
+- unseeded: each rank initialises its weights from its own seed (a script without a common seed) and tries one step
+  of GradAccumulationCell and one of AccumulatingTrainOneStepCell; each must refuse with the name of the first
+  differing parameter, weights unchanged. The errors go to OUT_DIR/rank_<r>.txt.
+- unseeded_plain: the same ranks with plain nn.TrainOneStepCell (the negative control): they train on, apart.
+- no_init (started without msrun): data parallel without init(); must raise, not crash.
 """
 import os
 import sys
@@ -69,11 +74,12 @@ def train(out_dir: str, rank: int, group: int) -> None:
     # Token losses with different token counts on each rank: GradAccumulationCell and AccumulatingTrainOneStepCell.
     token_data = token_batches(4, TOKEN_VALID[rank], seed=10 + rank)
     token_net = make_token_net()
-    token_step = nn.TrainOneStepCell(GradAccumulationCell(TokenLoss(token_net), MICRO_SIZE),
+    token_step = nn.TrainOneStepCell(GradAccumulationCell(TokenLoss(token_net), MICRO_SIZE, per_token_loss=True),
                                      make_optimizer("sgd", token_net.trainable_params()))
     token_losses = [float(token_step(*(Tensor(a) for a in batch)).asnumpy()) for batch in token_data]
     window_net = make_token_net()
-    window_cell = AccumulatingTrainOneStepCell(TokenLoss(window_net), make_optimizer("sgd", window_net.trainable_params()), 2)
+    window_cell = AccumulatingTrainOneStepCell(TokenLoss(window_net), make_optimizer("sgd", window_net.trainable_params()), 2,
+                                               per_token_loss=True)
     for batch in token_data:
         window_cell(*(Tensor(a) for a in batch))
 
@@ -123,8 +129,40 @@ def graphs(out_dir: str) -> None:
     step(x, y).asnumpy()
 
 
+def unseeded(out_dir: str, rank: int, plain: bool) -> None:
+    net = make_mlp(seed=100 + rank)   # a different initialisation on every rank
+    x, y = (Tensor(a) for a in classification_batches(1, BATCH, seed=rank)[0])
+    loss_net = nn.WithLossCell(net, _loss_fn())
+    if plain:
+        step = nn.TrainOneStepCell(loss_net, make_optimizer("sgd", net.trainable_params()))
+        for _ in range(STEPS):
+            step(x, y)
+        np.savez(os.path.join(out_dir, f"rank_{rank}.npz"), **params_of(net))
+        return
+    failures = []
+    for name, step in (("GradAccumulationCell", nn.TrainOneStepCell(GradAccumulationCell(loss_net, MICRO_SIZE),
+                                                                     make_optimizer("sgd", net.trainable_params()))),
+                       ("AccumulatingTrainOneStepCell", AccumulatingTrainOneStepCell(
+                           loss_net, make_optimizer("sgd", net.trainable_params()), 1, micro_size=MICRO_SIZE))):
+        before = params_of(net)
+        try:
+            step(x, y)
+        except ValueError as error:
+            unchanged = all(np.array_equal(value, before[key]) for key, value in params_of(net).items())
+            failures.append(f"{name} raised: {error} (weights unchanged: {unchanged})")
+    with open(os.path.join(out_dir, f"rank_{rank}.txt"), "w", encoding="utf-8") as handle:
+        handle.write("\n".join(failures))
+
+
 def main(out_dir: str, task: str, mode: str) -> None:
     ms.set_context(mode=ms.GRAPH_MODE)
+    if task == "no_init":
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+        net = make_mlp()
+        step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), MICRO_SIZE),
+                                   make_optimizer("sgd", net.trainable_params()))
+        step(*(Tensor(a) for a in classification_batches(1, BATCH)[0]))
+        return
     init()
     if mode == "data_parallel":
         ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
@@ -134,6 +172,8 @@ def main(out_dir: str, task: str, mode: str) -> None:
         train(out_dir, get_rank(), get_group_size())
     elif task == "graphs":
         graphs(out_dir)
+    elif task in ("unseeded", "unseeded_plain"):
+        unseeded(out_dir, get_rank(), task == "unseeded_plain")
     else:
         raise SystemExit(f"unknown task {task!r}")
 

@@ -2,6 +2,8 @@
 concatenated global batch, and gradients all-reduced once per optimizer step whatever micro_size is."""
 import glob
 import os
+import subprocess
+import sys
 
 import numpy as np
 import mindspore as ms
@@ -13,6 +15,7 @@ from dp_worker import MAX_GRAD_NORM
 from helpers import (TokenLoss, assert_params_close, assert_params_moved, make_mlp, make_optimizer, make_token_net,
                      max_abs_diff, train_steps, params_of)
 from launch import msrun, side_by_side
+from probe import REPO
 from test_loss_scale import _ClippedStep, _ce
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py")
@@ -223,3 +226,38 @@ def test_data_parallel_all_reduces_per_step_do_not_grow_with_micro_size(launched
     assert _all_reduce_counts(out, "control_micro_2") == [8] * RANKS
     # AccumulatingTrainOneStepCell: the reducer sits only in the window-closing branch, once per weight.
     assert _all_reduce_counts(out, "steps_4") == plain
+
+
+@pytest.fixture(scope="module")
+def unseeded(launched, tmp_path_factory):
+    outs = {task: tmp_path_factory.mktemp(task) for task in ("unseeded", "unseeded_plain")}
+    side_by_side({task: (msrun, (WORKER, [str(out), task, "data_parallel"], RANKS, str(out / "logs")))
+                  for task, out in outs.items()})
+    return outs
+
+
+def test_data_parallel_ranks_starting_apart_stop_at_the_first_step(unseeded):
+    for rank in range(RANKS):
+        failures = (unseeded["unseeded"] / f"rank_{rank}.txt").read_text(encoding="utf-8").splitlines()
+        assert len(failures) == 2, failures
+        for name, failure in zip(("GradAccumulationCell", "AccumulatingTrainOneStepCell"), failures):
+            assert failure.startswith(f"{name} raised: For '{name}', data-parallel ranks must start from the same "
+                                      f"weights, but parameter '0.weight' differs between rank 0 and rank 1"), failure
+            assert "mindspore.set_seed" in failure and failure.endswith("(weights unchanged: True)"), failure
+
+
+def test_data_parallel_ranks_starting_apart_diverge_silently_in_plain_training(unseeded):
+    # Negative control: the same unseeded job with nn.TrainOneStepCell trains on without an error, as two models.
+    rank0, rank1 = (dict(np.load(unseeded["unseeded_plain"] / f"rank_{rank}.npz")) for rank in range(RANKS))
+    assert max_abs_diff(rank1, rank0) > 1e-2
+
+
+def test_data_parallel_without_init_is_a_clear_error(tmp_path):
+    # In a fresh process (MindSpore segfaults at the first step without init(); here the cell refuses first).
+    done = subprocess.run([sys.executable, WORKER, str(tmp_path), "no_init", "data_parallel"], capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env=dict(os.environ, GLOG_v="3", PYTHONPATH=os.pathsep.join(
+                              filter(None, [REPO, os.environ.get("PYTHONPATH")]))))
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert ("RuntimeError: For 'GradAccumulationCell', the parallel mode is data_parallel but "
+            "mindspore.communication.init() has not been called") in done.stderr, done.stderr[-2000:]

@@ -4,6 +4,7 @@ Low-precision networks here compute in float16/bfloat16 (``to_float``, or ``Mode
 float32 weights, and a loss small enough that unscaled float16 gradients underflow to zero.
 """
 import re
+import warnings
 
 import numpy as np
 import mindspore as ms
@@ -12,7 +13,7 @@ from mindspore import nn, ops, Tensor
 from mindspore.train import FixedLossScaleManager, Model
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from ms_gradaccum._loss_scale import wrapper_loss_scale
+from ms_gradaccum._validation import computes_in_float16
 from helpers import (assert_params_close, assert_params_equal, assert_params_moved, classification_batches,
                      classification_dataset, make_mlp, make_optimizer, params_of, reference_run)
 
@@ -158,7 +159,7 @@ def test_loss_scale_fp32_training_bit_exact_whatever_the_scale_source():
 
 def test_loss_scale_read_from_the_wrapping_train_cell():
     cell = GradAccumulationCell(nn.WithLossCell(make_mlp(), _SmallLoss()), K)
-    assert wrapper_loss_scale(cell.key) == 1.0          # no train cell on the stack
+    assert cell.loss_scale.value == 1.0          # no train cell on the stack
 
     class Probe(nn.Cell):
         def __init__(self, wrapper):
@@ -166,7 +167,7 @@ def test_loss_scale_read_from_the_wrapping_train_cell():
             self.wrapper = wrapper
 
         def compile(self):  # a frame whose `self` holds the train cell, as Cell.compile's does
-            return wrapper_loss_scale(cell.key)
+            return cell.loss_scale.value
 
     opt = nn.SGD(cell.trainable_params(), 0.1)
     assert Probe(nn.TrainOneStepCell(cell, opt, sens=512.0)).compile() == 512.0
@@ -442,3 +443,76 @@ def test_loss_scale_nested_grad_accumulation_cell_rejected():
     nested = nn.SequentialCell([GradAccumulationCell(nn.WithLossCell(net, _ce()), 2)])
     with pytest.raises(ValueError, match="a GradAccumulationCell must be the 'network' itself"):
         AccumulatingTrainOneStepCell(nested, nn.SGD(net.trainable_params(), 0.1), 1)
+
+
+# --- float16 without a loss scale is warned -----------------------------------------------------------------------
+
+def _functional_run(network_of):
+    """MindSpore's functional mixed-precision recipe: value_and_grad of scaler.scale(loss), then unscale."""
+    scaler = ms.amp.StaticLossScaler(SCALE)
+    net = _low_precision_mlp()
+    loss_net = network_of(nn.WithLossCell(net, _SmallLoss()), scaler)
+
+    def scaled_loss(x, y):
+        return scaler.scale(loss_net(x, y))
+
+    grad_fn = ms.value_and_grad(scaled_loss, None, net.trainable_params())
+    opt = nn.SGD(net.trainable_params(), 1e4)
+    for x, y in classification_batches(2, BATCH):
+        _, grads = grad_fn(Tensor(x), Tensor(y))
+        opt(scaler.unscale(grads))
+    return params_of(net)
+
+
+def _float16_warnings(record):
+    return [str(w.message) for w in record if "computes in float16" in str(w.message)]
+
+
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
+def test_loss_scale_float16_without_a_scale_warns_once_with_the_fix(mode):
+    ms.set_context(mode=mode)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        actual = _functional_run(lambda loss_net, scaler: GradAccumulationCell(loss_net, K))
+    messages = _float16_warnings(record)
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("GradAccumulationCell: the network computes in float16, but no loss scale reaches "
+                                  "its micro-batch backward passes")
+    assert "GradAccumulationCell(loss_net, micro_size, loss_scale=scaler.scale_value)" in messages[0]
+    # What it warns about: the micro-batch gradients underflowed, so (nearly) nothing moved.
+    initial = params_of(_low_precision_mlp())
+    assert _moved(actual, initial) < 0.5 * sum(v.size for v in initial.values())
+
+
+@pytest.mark.parametrize("case", ["loss_scale", "float32", "wrapper_sens", "accumulating_scale_sense"])
+def test_loss_scale_no_float16_warning_when_a_scale_arrives_or_float32(case):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        if case == "loss_scale":
+            _functional_run(lambda loss_net, scaler: GradAccumulationCell(loss_net, K, loss_scale=scaler.scale_value))
+        elif case == "float32":
+            net = make_mlp()
+            _hand_built(GradAccumulationCell(nn.WithLossCell(net, _SmallLoss()), K), net, 1.0)
+        elif case == "wrapper_sens":
+            net = _low_precision_mlp()
+            _hand_built(GradAccumulationCell(nn.WithLossCell(net, _SmallLoss()), K), net, SCALE)
+        else:
+            net = _low_precision_mlp()
+            cell = _accumulating(net, lambda loss_net: GradAccumulationCell(loss_net, K), scale_sense=SCALE)
+            cell(*(Tensor(a) for a in classification_batches(1, BATCH)[0]))
+    assert not _float16_warnings(record)
+
+
+def test_loss_scale_accumulating_cell_float16_without_scale_sense_warns():
+    net = _low_precision_mlp()
+    cell = _accumulating(net, lambda loss_net: GradAccumulationCell(loss_net, K))
+    with pytest.warns(UserWarning, match=r"AccumulatingTrainOneStepCell: the network computes in float16.*"
+                                         r"scale_sense=nn.DynamicLossScaleUpdateCell"):
+        cell(*(Tensor(a) for a in classification_batches(1, BATCH)[0]))
+
+
+def test_loss_scale_float16_detection():
+    assert computes_in_float16(make_mlp().to_float(ms.float16))
+    assert computes_in_float16(ms.amp.auto_mixed_precision(make_mlp(), "O2"))
+    assert not computes_in_float16(make_mlp())
+    assert not computes_in_float16(make_mlp().to_float(ms.bfloat16))   # bfloat16 has float32's range: no underflow

@@ -83,8 +83,8 @@ class _CompilingFrame(nn.Cell):
         super().__init__()
         self.wrapper = wrapper
 
-    def compile(self, lookup, key):  # pylint: disable=arguments-differ
-        return lookup(key)
+    def compile(self, lookup):  # pylint: disable=arguments-differ
+        return lookup()
 
 
 def _semi_auto_fixed_scale_model(scale):
@@ -99,14 +99,13 @@ def _semi_auto_fixed_scale_model(scale):
 def test_parallel_modes_semi_auto_fixed_loss_scale_reaches_the_backward():
     # Model builds _TrainGradAccuStepCell(network, optimizer) for FixedLossScaleManager(S, False) under
     # semi-auto: no sens at all, while the optimizer divides by S. The cell must scale its backward by S.
-    from ms_gradaccum._loss_scale import missing_loss_scale  # pylint: disable=import-outside-toplevel
     scale = 2.0 ** 10
     cell, train_network = _semi_auto_fixed_scale_model(scale)
     assert type(train_network) is _TrainGradAccuStepCell and not train_network.sense_flag
-    assert _CompilingFrame(train_network).compile(missing_loss_scale, cell.key) == scale
+    assert _CompilingFrame(train_network).compile(lambda: cell.left_out_scale) == scale
     # Any other wrapper applies its own scale: nothing is scaled twice.
     plain = nn.TrainOneStepCell(cell, nn.SGD(cell.trainable_params(), 0.1), sens=scale)
-    assert _CompilingFrame(plain).compile(missing_loss_scale, cell.key) == 1.0
+    assert _CompilingFrame(plain).compile(lambda: cell.left_out_scale) == 1.0
 
 
 def test_parallel_modes_semi_auto_gradient_carries_the_optimizer_loss_scale():
@@ -117,10 +116,10 @@ def test_parallel_modes_semi_auto_gradient_carries_the_optimizer_loss_scale():
     reference = _loss_net()
     x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
 
-    def gradients(_):
+    def gradients():
         return ms.value_and_grad(cell, None, cell.trainable_params())(x, y)
 
-    loss, grads = _CompilingFrame(wrapper).compile(gradients, None)
+    loss, grads = _CompilingFrame(wrapper).compile(gradients)
     ref_loss, ref_grads = ms.value_and_grad(reference, None, reference.trainable_params())(x, y)
     np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy(), rtol=1e-6)
     for grad, ref_grad in zip(grads, ref_grads):   # sum over micro-batches, times the scale
@@ -130,11 +129,11 @@ def test_parallel_modes_semi_auto_gradient_carries_the_optimizer_loss_scale():
 def test_parallel_modes_dynamic_loss_scale_wrapper_is_refused_with_the_fix():
     # On Ascend/GPU, Model builds nn.TrainOneStepWithLossScaleCell for a DynamicLossScaleManager; a scale that
     # changes while training cannot reach backward passes that run inside the forward: a clear error.
-    from ms_gradaccum._loss_scale import wrapper_loss_scale  # pylint: disable=import-outside-toplevel
     cell = GradAccumulationCell(_loss_net(), K)
     opt = nn.SGD(cell.trainable_params(), 0.1)
     dynamic = nn.TrainOneStepWithLossScaleCell(cell, opt, scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 10, 2, 100))
-    with pytest.raises(ValueError, match=r"AccumulatingTrainOneStepCell\(GradAccumulationCell\(loss_net, micro_size\)"):
-        _CompilingFrame(dynamic).compile(wrapper_loss_scale, cell.key)
+    with pytest.raises(ValueError, match=r"AccumulatingTrainOneStepCell\(loss_net, optimizer, 1, micro_size=micro_size, "
+                                         r"scale_sense=manager.get_update_cell\(\)\)"):
+        _CompilingFrame(dynamic).compile(cell.loss_scale.check)
     fixed = nn.TrainOneStepWithLossScaleCell(cell, opt, scale_sense=nn.FixedLossScaleUpdateCell(2.0 ** 10))
-    assert _CompilingFrame(fixed).compile(wrapper_loss_scale, cell.key) == 2.0 ** 10
+    assert _CompilingFrame(fixed).compile(lambda: cell.loss_scale.value) == 2.0 ** 10

@@ -8,13 +8,18 @@ from mindspore import nn
 from mindspore.train import Callback, LossMonitor, Model
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, GradAccumulationScheduler
-from helpers import classification_batches, classification_dataset, make_mlp, make_optimizer, params_of
+from helpers import (assert_params_close, assert_params_equal, assert_params_moved, classification_batches,
+                     classification_dataset, make_mlp, make_optimizer, params_of, reference_run, train_steps)
 
 STEPS_PER_EPOCH = 8
 
 
 def _dataset(steps=STEPS_PER_EPOCH, batch=8):
     return classification_dataset(steps, batch)
+
+
+def _ce():
+    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
 def _model(accumulate_steps=1):
@@ -25,7 +30,7 @@ def _model(accumulate_steps=1):
 
 
 class _CountUpdates(Callback):
-    """Counts, per epoch, the steps after which the weights changed."""
+    """Counts, per epoch, the steps (and epoch ends) after which the weights changed."""
 
     def __init__(self, net):
         super().__init__()
@@ -36,6 +41,12 @@ class _CountUpdates(Callback):
 
     def on_train_step_end(self, run_context):
         self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
+        self._count()
+
+    def on_train_epoch_end(self, run_context):
+        self._count()   # after the scheduler's (listed before this callback): an epoch's short last window
+
+    def _count(self):
         current = params_of(self.net)
         if any(not np.array_equal(current[k], self.previous[k]) for k in current):
             self.per_epoch[-1] += 1
@@ -96,3 +107,46 @@ def test_scheduler_model_loss_monitor_prints_per_batch_loss_and_window_mean_is_a
     np.testing.assert_allclose(printed, counter.losses, rtol=1e-6)
     assert counter.per_epoch == [2]
     assert cell.last_window_loss == pytest.approx(np.mean(counter.losses[4:]), rel=1e-5)
+
+
+@pytest.mark.parametrize("sink_size", [3, 4, -1])
+def test_scheduler_windows_follow_the_batches_run_whatever_sink_size_says(sink_size):
+    # On CPU, Model(dataset_sink_mode=True, sink_size=3) still runs every batch of the 6-batch epoch while callbacks
+    # are told 3. Windows must follow the batches run: 4 + 2 per epoch, as without sink mode and as the full batch.
+    batches = classification_batches(6, 8)
+    windows = [tuple(np.concatenate(part) for part in zip(*batches[:4])),
+               tuple(np.concatenate(part) for part in zip(*batches[4:]))]
+    expected, _, initial = reference_run(make_mlp, _ce(), "sgd", windows * 2)
+
+    def run(**train_kwargs):
+        net, cell, model = _model()
+        model.train(2, _dataset(6), callbacks=[GradAccumulationScheduler({0: 4})], **train_kwargs)
+        return params_of(net), cell
+
+    plain_run, _ = run(dataset_sink_mode=False)
+    sunk, cell = run(dataset_sink_mode=True, sink_size=sink_size)
+    assert_params_moved(expected, initial)
+    assert_params_close(plain_run, expected, rtol=1e-5, atol=1e-6)
+    assert_params_equal(sunk, plain_run)
+    assert int(cell.optimizer.global_step.asnumpy().item()) == 4 and cell.pending_batches == 0
+    # Negative control: windows closed every 3 batches (a scheduler trusting the announced epoch length) differ.
+    net, cell, _ = _model(accumulate_steps=4)
+    cell.set_steps_per_epoch(3)
+    train_steps(cell, batches * 2)
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(params_of(net), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_scheduler_epoch_stopped_early_applies_what_it_ran():
+    class StopAfter(Callback):
+        def on_train_step_end(self, run_context):
+            if run_context.original_args().cur_step_num == 5:
+                run_context.request_stop()
+
+    batches = classification_batches(8, 8)
+    expected, _, _ = reference_run(make_mlp, _ce(), "sgd", [
+        tuple(np.concatenate(part) for part in zip(*batches[:4])), tuple(np.concatenate(part) for part in zip(*batches[4:5]))])
+    net, cell, model = _model()
+    model.train(1, _dataset(), callbacks=[GradAccumulationScheduler({0: 4}), StopAfter()], dataset_sink_mode=False)
+    assert_params_close(params_of(net), expected, rtol=1e-5, atol=1e-6)
+    assert cell.pending_batches == 0

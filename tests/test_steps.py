@@ -33,7 +33,8 @@ def _accumulating(optimizer="sgd", accumulate_steps=4, steps_per_epoch=None, lea
     net = make_mlp()
     opt = make_optimizer(optimizer, net.trainable_params()) if learning_rate is None else \
         nn.SGD(net.trainable_params(), learning_rate=learning_rate)
-    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _loss_fn()), opt, accumulate_steps, steps_per_epoch)
+    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _loss_fn()), opt, accumulate_steps,
+                                        steps_per_epoch=steps_per_epoch)
     return net, cell
 
 

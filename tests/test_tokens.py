@@ -11,8 +11,8 @@ from mindspore.train import Model
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
 from helpers import (RecordLoss, TokenLoss, assert_params_close, assert_params_equal, assert_params_moved,
-                     classification_batches, make_mlp, make_optimizer, make_token_net, params_of, reference_run,
-                     token_batches, train_steps)
+                     classification_batches, make_mlp, make_optimizer, make_token_net, max_abs_diff, params_of,
+                     reference_run, token_batches, train_steps)
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 # Four micro-batches of 4 samples with 1, 6, 2 and 5 valid tokens per sample: very uneven token counts.
@@ -29,7 +29,7 @@ def _token_reference(optimizer, batches):
 
 def _run_cell(optimizer, batches, mode="sum_count", micro_size=K):
     net = make_token_net()
-    step = nn.TrainOneStepCell(GradAccumulationCell(TokenLoss(net, mode), micro_size),
+    step = nn.TrainOneStepCell(GradAccumulationCell(TokenLoss(net, mode), micro_size, per_token_loss=mode == "sum_count"),
                                make_optimizer(optimizer, net.trainable_params()))
     losses = train_steps(step, batches)
     return params_of(net), losses
@@ -73,8 +73,10 @@ def test_tokens_accumulating_cell_divides_by_the_window_count(micro):
     def run(mode):
         net = make_token_net()
         loss_net = TokenLoss(net, mode)
-        network = GradAccumulationCell(loss_net, K) if micro else loss_net
-        cell = AccumulatingTrainOneStepCell(network, make_optimizer("adam", net.trainable_params()), 2)
+        tokens = mode == "sum_count"
+        network = GradAccumulationCell(loss_net, K, per_token_loss=tokens) if micro else loss_net
+        cell = AccumulatingTrainOneStepCell(network, make_optimizer("adam", net.trainable_params()), 2,
+                                            per_token_loss=tokens)
         for batch in batches:
             cell(*(Tensor(a) for a in batch))
         return params_of(net), cell
@@ -91,7 +93,7 @@ def test_tokens_flush_divides_a_partial_window_by_its_count():
     batches = token_batches(3, VALID)
     expected, _ = _token_reference("sgd", [tuple(np.concatenate(parts) for parts in zip(*batches))])
     net = make_token_net()
-    cell = AccumulatingTrainOneStepCell(TokenLoss(net), make_optimizer("sgd", net.trainable_params()), 4)
+    cell = AccumulatingTrainOneStepCell(TokenLoss(net), make_optimizer("sgd", net.trainable_params()), 4, per_token_loss=True)
     for batch in batches:
         cell(*(Tensor(a) for a in batch))
     assert cell.flush() is True
@@ -194,3 +196,166 @@ def test_tokens_accumulating_cell_warns_for_batch_norm_across_batches():
     net = _bn_net()
     with pytest.warns(UserWarning, match="AccumulatingTrainOneStepCell: the network has batch normalisation"):
         AccumulatingTrainOneStepCell(nn.WithLossCell(net, _ce()), nn.SGD(net.trainable_params(), 0.1), 4)
+
+
+# --- the explicit token mode: per_token_loss ------------------------------------------------------------------
+
+class _LossAndAccuracy(nn.Cell):
+    """A network returning (loss, accuracy): two scalars that are NOT (loss_sum, count)."""
+
+    def __init__(self, net):
+        super().__init__(auto_prefix=False)
+        self.net = net
+        self.ce = _ce()
+
+    def construct(self, x, y):
+        logits = self.net(x)
+        return self.ce(logits, y), (logits.argmax(axis=1) == y).astype(ms.float32).mean()
+
+
+@pytest.mark.parametrize("make", ["cell", "accumulating", "accumulating_micro"])
+def test_tokens_tuple_without_per_token_loss_is_refused(make):
+    # A (loss, accuracy) network used to be taken as (loss_sum, count): a 1.9x update, or inf with accuracy 0.
+    net = make_mlp()
+    loss_net = _LossAndAccuracy(net)
+    opt = make_optimizer("sgd", net.trainable_params())
+    if make == "cell":
+        step = nn.TrainOneStepCell(GradAccumulationCell(loss_net, K), opt)
+        name = "GradAccumulationCell"
+    else:
+        step = AccumulatingTrainOneStepCell(loss_net, opt, 2, micro_size=K if make == "accumulating_micro" else 1)
+        name = "AccumulatingTrainOneStepCell"
+    initial = params_of(net)
+    x, y = classification_batches(1, 16)[0]
+    expected = (f"For '{name}', the argument 'network' must return a scalar loss, but it returned a tuple of 2 "
+                f"element(s) with shapes ((), ()). Auxiliary outputs (logits, metrics) are not carried through the "
+                f"accumulation: return only the loss. If the tuple is (loss_sum, count), e.g. a masked token loss and "
+                f"the number of valid tokens, pass per_token_loss=True.")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        step(Tensor(x), Tensor(y))
+    assert_params_equal(params_of(net), initial)
+
+
+def test_tokens_per_token_loss_with_a_scalar_loss_is_refused():
+    net = make_mlp()
+    cell = GradAccumulationCell(nn.WithLossCell(net, _ce()), K, per_token_loss=True)
+    x, y = classification_batches(1, 16)[0]
+    with pytest.raises(ValueError, match=re.escape(
+            "with per_token_loss=True the argument 'network' must return a tuple (loss_sum, count) of two scalars "
+            "(e.g. the sum of a masked token loss and the number of valid tokens), but it returned a single Tensor of "
+            "shape (). Return (loss_sum, count), or set per_token_loss=False for a mean loss.")):
+        cell(Tensor(x), Tensor(y))
+
+
+class _CountTimes(nn.Cell):
+    """TokenLoss whose count is multiplied by a constant (negative or non-finite counts for the error tests)."""
+
+    def __init__(self, net, factor):
+        super().__init__(auto_prefix=False)
+        self.loss, self.factor = TokenLoss(net), factor
+
+    def construct(self, x, y, mask):
+        loss_sum, count = self.loss(x, y, mask)
+        return loss_sum, count * self.factor
+
+
+@pytest.mark.parametrize("factor, message", [
+    (-1.0, "with per_token_loss=True the count returned by 'network' must be a finite number >= 0 (e.g. the number of "
+           "valid tokens), but a micro-batch returned -"),
+    (float("inf"), "but a micro-batch returned a non-finite count (inf or nan)"),
+    (float("nan"), "but a micro-batch returned a non-finite count (inf or nan)"),
+])
+@pytest.mark.parametrize("make", ["cell", "accumulating"])
+def test_tokens_bad_counts_stop_before_any_update(factor, message, make):
+    net = make_token_net()
+    opt = make_optimizer("adam", net.trainable_params())
+    if make == "cell":
+        step = nn.TrainOneStepCell(GradAccumulationCell(_CountTimes(net, factor), K, per_token_loss=True), opt)
+    else:
+        step = AccumulatingTrainOneStepCell(_CountTimes(net, factor), opt, 1, micro_size=K, per_token_loss=True)
+    before = {p.name: p.asnumpy().copy() for p in opt.get_parameters()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        step(*(Tensor(a) for a in token_batches(1, VALID)[0]))
+    assert_params_equal({p.name: p.asnumpy() for p in opt.get_parameters()}, before)   # weights and moments
+
+
+def test_tokens_window_without_tokens_updates_nothing_and_returns_zero():
+    net = make_token_net()
+    cell = AccumulatingTrainOneStepCell(TokenLoss(net), make_optimizer("adam", net.trainable_params()), 2,
+                                        micro_size=K, per_token_loss=True)
+    data = token_batches(3, VALID)
+    cell(*(Tensor(a) for a in data[0]))
+    cell(*(Tensor(a) for a in data[1]))                        # one real window: Adam's moments are non-zero
+    state = {p.name: p.asnumpy().copy() for p in cell.get_parameters() if not p.name.startswith("accu_")}
+    x, y, mask = data[2]
+    empty = [cell(Tensor(x), Tensor(y), Tensor(mask * 0)) for _ in range(2)]   # a window with no valid token
+    assert [float(loss.asnumpy()) for loss in empty] == [0.0, 0.0] and cell.last_window_loss == 0.0
+    assert_params_equal({p.name: p.asnumpy() for p in cell.get_parameters() if not p.name.startswith("accu_")},
+                        state)                                 # weights, moments, global_step bit-unchanged
+    assert cell.pending_batches == 0 and not np.any(cell.grad_sums[0].asnumpy())
+    # Control: a window with tokens does move the weights.
+    cell(Tensor(x), Tensor(y), Tensor(mask))
+    cell(Tensor(x), Tensor(y), Tensor(mask))
+    assert max_abs_diff(params_of(net), {n: state[n] for n in params_of(net)}) > 1e-4
+
+
+def test_tokens_batch_without_tokens_hands_over_a_zero_gradient():
+    net = make_token_net()
+    step = nn.TrainOneStepCell(GradAccumulationCell(TokenLoss(net), K, per_token_loss=True),
+                               nn.SGD(net.trainable_params(), 0.1))
+    x, y, mask = token_batches(1, VALID)[0]
+    initial = params_of(net)
+    assert float(step(Tensor(x), Tensor(y), Tensor(mask * 0)).asnumpy()) == 0.0
+    assert_params_equal(params_of(net), initial)               # plain SGD on a zero gradient: unchanged
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(per_token_loss=False), "the argument 'per_token_loss' is False but the GradAccumulationCell given as "
+                                 "'network' has per_token_loss=True"),
+    (dict(micro_size=2), "the argument 'micro_size' is 2 but the GradAccumulationCell given as 'network' has "
+                         "micro_size=4"),
+])
+def test_tokens_accumulating_cell_contradicting_its_grad_accumulation_cell_is_refused(kwargs, message):
+    net = make_token_net()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AccumulatingTrainOneStepCell(GradAccumulationCell(TokenLoss(net), K, per_token_loss=True),
+                                     nn.SGD(net.trainable_params(), 0.1), 1, **kwargs)
+    # The same settings given once, either way, are accepted.
+    AccumulatingTrainOneStepCell(GradAccumulationCell(TokenLoss(net), K, per_token_loss=True),
+                                 nn.SGD(net.trainable_params(), 0.1), 1, micro_size=K, per_token_loss=True)
+
+
+def test_tokens_accumulating_cell_refuses_an_inner_loss_scale():
+    net = make_mlp()
+    with pytest.raises(ValueError, match="has its own loss_scale, which this cell does not use"):
+        AccumulatingTrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, _ce()), K, loss_scale=8.0),
+                                     nn.SGD(net.trainable_params(), 0.1), 1)
+
+
+# --- windows of batches of different sizes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("micro_size", [1, 4])
+def test_tokens_window_with_a_short_batch_is_the_concatenated_full_batch(micro_size):
+    # Windows of 2 batches of 32 and 20 rows: the full batch of their 52 rows, each row weighted equally (the
+    # mean of the two batch means would weight the short batch's rows 1.6x).
+    full = classification_batches(2, 32)
+    batches = [full[0], (full[1][0][:20], full[1][1][:20])] * 2
+    windows = [tuple(np.concatenate(parts) for parts in zip(batches[i], batches[i + 1])) for i in (0, 2)]
+    expected, expected_losses, initial = reference_run(make_mlp, _ce(), "momentum", windows)
+    net = make_mlp()
+    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _ce()), make_optimizer("momentum", net.trainable_params()),
+                                        2, micro_size=micro_size)
+    train_steps(cell, batches)
+    assert_params_moved(expected, initial)
+    assert_params_close(params_of(net), expected, **TOLERANCE)
+    assert cell.last_window_loss == pytest.approx(expected_losses[-1], rel=1e-5)
+    # Negative control: the mean of the batch means.
+    control_net = make_mlp()
+    opt = make_optimizer("momentum", control_net.trainable_params())
+    loss_net = nn.WithLossCell(control_net, _ce())
+    for i in (0, 2):
+        grads = [ms.value_and_grad(loss_net, None, opt.parameters)(Tensor(x), Tensor(y))[1]
+                 for x, y in batches[i:i + 2]]
+        opt(tuple((a + b) / 2 for a, b in zip(*grads)))
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(params_of(control_net), expected, **TOLERANCE)

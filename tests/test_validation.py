@@ -6,7 +6,7 @@ import pytest
 import mindspore as ms
 from mindspore import nn, ops, Tensor
 
-from ms_gradaccum import GradAccumulationCell
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
 from helpers import make_mlp
 
 
@@ -38,14 +38,20 @@ def test_validation_network_not_a_cell_rejected(network, message):
         GradAccumulationCell(network, 2)
 
 
-def test_validation_network_without_trainable_parameters_rejected():
+def test_validation_network_without_parameters_rejected():
+    with pytest.raises(ValueError, match=r"the argument 'network' must have parameters to train, but ReLU has none"):
+        GradAccumulationCell(nn.ReLU(), 2)
+
+
+def test_validation_network_with_no_trained_weight_when_compiled_rejected():
+    # Frozen when built is allowed (it may be unfrozen before training); frozen when the graph compiles is not.
     frozen = _loss_net()
     for param in frozen.trainable_params():
         param.requires_grad = False
-    with pytest.raises(ValueError, match=r"'network' must have trainable parameters, but WithLossCell has none"):
-        GradAccumulationCell(frozen, 2)
-    with pytest.raises(ValueError, match=r"'network' must have trainable parameters, but ReLU has none"):
-        GradAccumulationCell(nn.ReLU(), 2)
+    cell = GradAccumulationCell(frozen, 2)
+    with pytest.raises(ValueError, match=r"the network must have parameters to train when the graph compiles, but "
+                                         r"none of WithLossCell's parameters has requires_grad=True"):
+        ms.value_and_grad(cell, None, frozen.get_parameters())(*_data(8))
 
 
 def test_validation_numpy_integer_micro_size_accepted():
@@ -120,11 +126,24 @@ class _TupleLoss(nn.Cell):
 
 @pytest.mark.parametrize("kind, described", [("three", "a tuple of 3 element(s) with shapes ((), (), ())"),
                                              ("vector", "a tuple of 2 element(s) with shapes ((4,), ())")])
-def test_validation_other_tuple_outputs_rejected(kind, described):
-    cell = GradAccumulationCell(_TupleLoss(kind), 2)
+def test_validation_other_tuple_outputs_rejected_with_per_token_loss(kind, described):
+    cell = GradAccumulationCell(_TupleLoss(kind), 2, per_token_loss=True)
     x, y = _data(8)
-    expected = ("For 'GradAccumulationCell', the argument 'network' must return a scalar loss or a tuple (loss_sum, "
-                "count) of two scalars (e.g. the sum of a masked token loss and the number of valid tokens), but it "
-                f"returned {described}.")
+    expected = ("For 'GradAccumulationCell', with per_token_loss=True the argument 'network' must return a tuple "
+                "(loss_sum, count) of two scalars (e.g. the sum of a masked token loss and the number of valid tokens), "
+                f"but it returned {described}. Return (loss_sum, count), or set per_token_loss=False for a mean loss.")
     with pytest.raises(ValueError, match=re.escape(expected)):
         cell(x, y)
+
+
+@pytest.mark.parametrize("value, shown", [(1, "1 (int)"), (None, "None (NoneType)"), ("yes", "'yes' (str)")])
+def test_validation_per_token_loss_not_a_bool_rejected(value, shown):
+    with pytest.raises(TypeError, match=re.escape(f"For 'GradAccumulationCell', the argument 'per_token_loss' must be a "
+                                                  f"bool, but got {shown}.")):
+        GradAccumulationCell(_loss_net(), 2, per_token_loss=value)
+    if value is not None:   # None is AccumulatingTrainOneStepCell's default: False, or its GradAccumulationCell's
+        net = make_mlp()
+        with pytest.raises(TypeError, match=re.escape(f"For 'AccumulatingTrainOneStepCell', the argument "
+                                                      f"'per_token_loss' must be a bool, but got {shown}.")):
+            AccumulatingTrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.SGD(net.trainable_params(), 0.1), 1,
+                                         per_token_loss=value)

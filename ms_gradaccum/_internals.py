@@ -1,0 +1,171 @@
+"""Every MindSpore internal this package relies on, in one module.
+
+Each entry says why the package needs it and against which MindSpore versions it was checked
+(:data:`CHECKED_VERSIONS`). No other module imports a private MindSpore name or depends on undocumented
+behaviour; when MindSpore changes one of these, this is the file to adapt.
+"""
+import sys
+import weakref
+from typing import Optional
+
+import mindspore as ms
+from mindspore import nn
+
+# Read against the installed package source of each of these versions.
+CHECKED_VERSIONS = ("2.10.0",)
+
+# --- 1. Model's routing by class name -------------------------------------------------------------------------
+# mindspore/train/amp.py::_is_grad_accumulation walks the cell tree and checks `cell.cls_name` against these names;
+# a match makes Model / build_train_network wrap the network in _TrainGradAccuStepCell, whose optimizer reads
+# buffers that only the semi-auto/auto-parallel compiler pass writes (elsewhere it silently trains nothing).
+# `Cell.cls_name` is a property, so a subclass can present another name.
+ROUTED_NAMES = frozenset({"GradAccumulationCell", "GradAccumulation"})
+
+# --- 2. MindSpore's own accumulating train cell -----------------------------------------------------------------
+# What Model builds for a routed cell in semi-auto/auto parallel; it applies no loss scale of its own while the
+# optimizer divides by its loss_scale (mindspore/train/amp.py::build_train_network).
+from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell as TrainGradAccuStepCell  # noqa: E402
+
+# --- 3. Compile-time Python in a graph --------------------------------------------------------------------------
+# `_primexpr` runs a Python function on constants while the graph compiles (static shapes, constant checks); the
+# public `constexpr` is deprecated in its favour.
+from mindspore.ops.primitive import _primexpr as primexpr  # noqa: E402
+
+# --- 4. The semi-auto/auto-parallel accumulation markers --------------------------------------------------------
+# mindspore.parallel.nn.GradAccumulation marks micro-batch slices (`grad_accu_num`) and forward ends (`forward_end`)
+# for the parallel pass; only the pass reads those attributes.
+from mindspore.parallel.nn import GradAccumulation as ParallelPassMarkers  # noqa: E402,F401
+
+PARALLEL_PASS_MODES = frozenset({ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.ParallelMode.AUTO_PARALLEL})
+
+
+class CompileChecks:
+    """Passed to :func:`run_compile_checks` at the top of a cell's ``construct``: calls ``owner.check_at_compile()``.
+
+    Exceptions raised inside a :class:`compile_time` attribute are swallowed by the graph parser, which reports the
+    attribute as missing ("object has no attribute"); a ``_primexpr`` receives this plain Python object and its
+    exceptions reach the user unchanged. Called first in ``construct``, it runs before the attributes are read.
+    """
+
+    def __init__(self, owner: nn.Cell):
+        self._owner = weakref.ref(owner)
+
+    def run(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner.check_at_compile()
+
+
+@primexpr
+def run_compile_checks(checks: CompileChecks) -> None:
+    """Raises the owner's configuration errors (and warns) when its graph compiles; every call in PyNative mode."""
+    checks.run()
+
+
+class compile_time:  # pylint: disable=invalid-name
+    """A read-only attribute computed by a Python method each time it is read, also while a graph compiles.
+
+    MindSpore's graph parser compiles the body of a ``property`` as graph code (so it cannot call
+    ``trainable_params()`` or walk the call stack), but reads any other descriptor through Python's ``getattr``
+    (checked in 2.10.0). So ``self.x`` in ``construct`` is evaluated in Python when the graph is compiled, and the
+    value (a constant, a Parameter, a ParameterTuple) is what the graph uses: settings made after the cell was
+    built but before training (freezing, a wrapping train cell, the parallel mode) are seen. The method must not
+    raise (the parser would report a missing attribute): errors go through :class:`CompileChecks`.
+    """
+
+    def __init__(self, method):
+        self.method = method
+        self.__doc__ = method.__doc__
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else self.method(obj)
+
+
+# --- 5. The train cell that wraps a cell --------------------------------------------------------------------------
+# MindSpore keeps no parent pointer, and GraphExecutor does not expose the cell being compiled. The top cell is
+# the `self` of Cell.compile's frame (graph mode) or of the constructs being called (PyNative), so the train cell
+# around a cell is found among the cells of the frames on the stack.
+_WRAPPER_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _cells_on_stack() -> list:
+    cells, frame = [], sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Cell) and all(owner is not seen for seen in cells):
+            cells.append(owner)
+        frame = frame.f_back
+    return cells
+
+
+def enclosing_train_cell(cell: nn.Cell) -> Optional[nn.TrainOneStepCell]:
+    """The innermost ``nn.TrainOneStepCell`` (or subclass: ``Model``'s, the loss-scale cells, this package's)
+    whose tree holds `cell`, among the cells being compiled or called; ``None`` outside any (functional style)."""
+    roots = _cells_on_stack()
+    cached = _WRAPPER_CACHE.get(cell)
+    # The same cells on the stack (by identity, not by a reusable id) give the same answer: reuse it.
+    if cached is not None and len(cached[0]) == len(roots) and all(r() is root for r, root in zip(cached[0], roots)):
+        if cached[1] is None:
+            return None
+        if cached[1]() is not None:
+            return cached[1]()
+    candidates = []
+    for root in roots:
+        for _, candidate in root.cells_and_names():
+            if isinstance(candidate, nn.TrainOneStepCell) and candidate is not cell and \
+                    all(candidate is not c for c in candidates) and \
+                    any(sub is cell for _, sub in candidate.cells_and_names()):
+                candidates.append(candidate)
+    wrapper = min(candidates, key=lambda c: len(list(c.cells_and_names())), default=None)
+    _WRAPPER_CACHE[cell] = (tuple(weakref.ref(root) for root in roots),
+                            weakref.ref(wrapper) if wrapper is not None else None)
+    return wrapper
+
+
+def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
+    """The loss scale `train_cell` applies as the ``sens`` of its backward when it is fixed; ``None`` when it changes
+    while training (a DynamicLossScaleUpdateCell). Reads ``sense_flag``/``sens`` of nn.TrainOneStepCell and
+    ``scale_sense``/``loss_scaling_manager`` of nn.TrainOneStepWithLossScaleCell (attributes, not API)."""
+    manager = getattr(train_cell, "loss_scaling_manager", None)
+    if isinstance(manager, nn.DynamicLossScaleUpdateCell):
+        return None
+    if isinstance(train_cell, nn.TrainOneStepWithLossScaleCell):
+        return float(train_cell.scale_sense.asnumpy().reshape(()))
+    sens = getattr(train_cell, "sens", None)
+    if getattr(train_cell, "sense_flag", False) and isinstance(sens, (int, float)) and not isinstance(sens, bool):
+        return float(sens)
+    return 1.0
+
+
+def scale_left_out(train_cell: Optional[nn.Cell]) -> float:
+    """The loss scale the optimizer divides out but `train_cell` never applies: only _TrainGradAccuStepCell, built by
+    Model in semi-auto/auto parallel for FixedLossScaleManager(S, drop_overflow_update=False), leaves one (S)."""
+    if isinstance(train_cell, TrainGradAccuStepCell) and not train_cell.sense_flag:
+        return float(getattr(train_cell.optimizer, "loss_scale", 1.0))
+    return 1.0
+
+
+# --- 6. The all-reduce of nn.DistributedGradReducer -------------------------------------------------------------
+# Its primitives and filter are attributes (allreduce_filter, split_fusion, op_list, allreduce, mean, degree):
+# AccumulatingTrainOneStepCell reuses them to all-reduce its buffers in place with exactly the same collectives.
+def reducer_all_reduces(reducer: nn.DistributedGradReducer) -> tuple:
+    """``(per-weight all-reduce flag, per-weight AllReduce primitive, whether the reducer averages, device count)``."""
+    flags = tuple(reducer.allreduce_filter)
+    if reducer.split_fusion:
+        primitives = tuple(reducer.op_list)
+    else:
+        primitives = (reducer.allreduce,) * len(flags)
+    devices = float(round(1.0 / float(reducer.degree.asnumpy())))
+    return flags, primitives, bool(reducer.mean), devices
+
+
+# --- 7. Communication and parallel context ------------------------------------------------------------------------
+def communication_initialized() -> bool:
+    """Whether ``mindspore.communication.init()`` has run (GlobalComm.INITED, set by init())."""
+    from mindspore.communication._comm_helper import GlobalComm  # pylint: disable=import-outside-toplevel
+    return bool(GlobalComm.INITED)
+
+
+def parallel_mode() -> str:
+    """The parallel mode in force (public API)."""
+    return ms.get_auto_parallel_context("parallel_mode")

@@ -1,0 +1,148 @@
+"""Which weights are trained: the wrapping optimizer's (or requires_grad's), read when the graph compiles.
+
+Staged fine-tuning freezes and unfreezes layers after the loss network (and its accumulation cell) is built; the
+accumulation must follow exactly what plain full-batch training with the same optimizer does.
+"""
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import nn, Tensor
+from mindspore.train import Model
+
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
+from helpers import (assert_params_close, assert_params_equal, classification_batches, classification_dataset,
+                     make_mlp, make_optimizer, max_abs_diff, params_of, train_steps)
+
+BATCH, K, STEPS = 32, 4, 3
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+FIRST = ("0.weight", "0.bias")    # the first Dense layer of helpers.make_mlp
+
+
+def _ce():
+    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+
+
+def _set_first_layer(net, trainable):
+    for param in net.get_parameters():
+        if param.name in FIRST:
+            param.requires_grad = trainable
+
+
+def _all_params(net):
+    return {p.name: p.asnumpy().copy() for p in net.get_parameters()}
+
+
+def _staged(wrap, freeze_before, freeze_after, how="train_one_step", optimizer="momentum"):
+    """Builds the loss network with the first layer frozen or not, wraps it (`wrap`), changes the first layer's
+    requires_grad after wrapping, builds the optimizer from trainable_params() after that, and trains 3 steps."""
+    net = make_mlp()
+    _set_first_layer(net, not freeze_before)
+    loss_net = wrap(nn.WithLossCell(net, _ce()))
+    _set_first_layer(net, not freeze_after)
+    opt = make_optimizer(optimizer, net.trainable_params())
+    batches = classification_batches(STEPS, BATCH)
+    if how == "model":
+        Model(loss_net, optimizer=opt).train(1, classification_dataset(STEPS, BATCH), dataset_sink_mode=False)
+    elif how == "functional":
+        grad_fn = ms.value_and_grad(loss_net, None, opt.parameters)
+        for x, y in batches:
+            _, grads = grad_fn(Tensor(x), Tensor(y))
+            opt(grads)
+    elif how == "accumulating":
+        train_steps(AccumulatingTrainOneStepCell(loss_net, opt, 1), batches)
+    else:
+        train_steps(nn.TrainOneStepCell(loss_net, opt), batches)
+    return _all_params(net), loss_net
+
+
+def _plain(freeze_after, optimizer="momentum"):
+    return _staged(lambda loss_net: loss_net, True, freeze_after, optimizer=optimizer)[0]
+
+
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
+@pytest.mark.parametrize("how", ["train_one_step", "model", "functional", "accumulating"])
+def test_trainable_layer_unfrozen_after_wrapping_is_trained(how, mode):
+    ms.set_context(mode=mode)
+    expected = _plain(freeze_after=False)
+    initial = _all_params(make_mlp())
+    actual, _ = _staged(lambda loss_net: GradAccumulationCell(loss_net, K), True, False, how)
+    assert_params_close(actual, expected, **TOLERANCE)
+    # The unfrozen layer really moved, as in plain training: equality is not vacuous, and a cell
+    # that kept the trainable set of its construction (the layer frozen) is a different model.
+    assert max_abs_diff({n: actual[n] for n in FIRST}, {n: initial[n] for n in FIRST}) > 1e-3
+    control = _plain(freeze_after=True)
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(control, expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("how", ["train_one_step", "model", "functional", "accumulating"])
+def test_trainable_layer_frozen_after_wrapping_stays_and_costs_no_buffer(how):
+    expected = _plain(freeze_after=True)
+    actual, loss_net = _staged(lambda loss_net: GradAccumulationCell(loss_net, K), False, True, how)
+    assert_params_close(actual, expected, **TOLERANCE)
+    initial = _all_params(make_mlp())
+    assert_params_equal({n: actual[n] for n in FIRST}, {n: initial[n] for n in FIRST})
+    if how != "accumulating":   # there the train cell's own buffers serve (one per optimizer parameter)
+        buffers = sorted(b.name for b in loss_net.get_parameters() if b.name.startswith("accu_grads."))
+        assert buffers == sorted(f"accu_grads.{n}" for n in expected if n not in FIRST)
+
+
+def test_trainable_optimizer_parameter_without_requires_grad_is_trained_as_plain_training_does():
+    # MindSpore differentiates what the optimizer holds, whatever requires_grad says: plain training updates a
+    # parameter frozen after the optimizer was built, and so must the accumulation.
+    def run(wrap):
+        net = make_mlp()
+        loss_net = wrap(nn.WithLossCell(net, _ce()))
+        opt = make_optimizer("sgd", net.trainable_params())
+        _set_first_layer(net, False)
+        train_steps(nn.TrainOneStepCell(loss_net, opt), classification_batches(STEPS, BATCH))
+        return _all_params(net)
+
+    expected = run(lambda loss_net: loss_net)
+    initial = _all_params(make_mlp())
+    assert max_abs_diff({n: expected[n] for n in FIRST}, {n: initial[n] for n in FIRST}) > 1e-3
+    assert_params_close(run(lambda loss_net: GradAccumulationCell(loss_net, K)), expected, **TOLERANCE)
+
+
+def test_trainable_optimizer_on_a_subset_gets_buffers_for_that_subset_only():
+    net = make_mlp()
+    cell = GradAccumulationCell(nn.WithLossCell(net, _ce()), K)
+    head = [p for p in net.trainable_params() if p.name.startswith("4.")]
+    step = nn.TrainOneStepCell(cell, make_optimizer("sgd", head))
+    initial = _all_params(net)
+    train_steps(step, classification_batches(STEPS, BATCH))
+    assert sorted(p.name for p in step.get_parameters() if p.name.startswith("accu_grads.")) == \
+        ["accu_grads.4.bias", "accu_grads.4.weight"]
+    after = _all_params(net)
+    assert all(np.array_equal(after[n], initial[n]) for n in after if not n.startswith("4."))
+    assert max_abs_diff({n: after[n] for n in ("4.weight",)}, {n: initial[n] for n in ("4.weight",)}) > 1e-3
+
+
+def test_trainable_new_train_cell_after_freezing_follows_and_drops_the_buffer():
+    # The same GradAccumulationCell, trained, then a layer frozen and a new optimizer and train cell built: the
+    # new graph trains the new set, and the frozen layer's buffer is gone (not in checkpoints, no memory).
+    def run(wrap):
+        net = make_mlp()
+        loss_net = wrap(nn.WithLossCell(net, _ce()))
+        batches = classification_batches(2 * STEPS, BATCH)
+        train_steps(nn.TrainOneStepCell(loss_net, make_optimizer("sgd", net.trainable_params())), batches[:STEPS])
+        _set_first_layer(net, False)
+        step = nn.TrainOneStepCell(loss_net, make_optimizer("sgd", net.trainable_params()))
+        train_steps(step, batches[STEPS:])
+        return _all_params(net), step
+
+    expected, _ = run(lambda loss_net: loss_net)
+    actual, step = run(lambda loss_net: GradAccumulationCell(loss_net, K))
+    assert_params_close(actual, expected, **TOLERANCE)
+    names = [p.name for p in step.get_parameters() if p.name.startswith("accu_grads.")]
+    assert names and not [n for n in names if n in {f"accu_grads.{f}" for f in FIRST}]
+
+
+@pytest.mark.parametrize("freeze_before, freeze_after", [(True, False), (False, True)])
+def test_trainable_accumulating_cell_around_grad_accumulation_cell(freeze_before, freeze_after):
+    # Was: IndexError (unfreeze) and an AssignAdd shape error (freeze): the train cell used the inner cell's
+    # buffers, taken when it was built. Now one set of buffers, for the optimizer's parameters.
+    expected = _plain(freeze_after=freeze_after, optimizer="adam")
+    actual, _ = _staged(lambda loss_net: GradAccumulationCell(loss_net, K), freeze_before, freeze_after,
+                        "accumulating", optimizer="adam")
+    assert_params_close(actual, expected, rtol=1e-5, atol=1e-5)
