@@ -7,7 +7,7 @@ from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, CompileChecks, compile_time,
-                                     enclosing_train_cell, parallel_mode, primexpr, run_compile_checks)
+                                     enclosing_optimizer, parallel_mode, primexpr, run_compile_checks)
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._validation import (check_bool, check_cell, check_has_parameters, check_positive_int,
@@ -183,10 +183,10 @@ class GradAccumulationCell(PrecisionNeutral):
     def _trained_weights(self) -> list:
         """The weights the wrapping train cell differentiates (its optimizer's), or those with ``requires_grad=True``
         without one."""
-        wrapper = enclosing_train_cell(self)
-        if wrapper is None:
+        optimizer = enclosing_optimizer(self)
+        if optimizer is None:
             return self.network.trainable_params()
-        trained = {id(weight) for weight in wrapper.weights}
+        trained = {id(weight) for weight in optimizer.parameters}
         return [param for param in self.network.get_parameters() if id(param) in trained]
 
     def _resolve(self) -> tuple:

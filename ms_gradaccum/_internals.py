@@ -83,9 +83,10 @@ class compile_time:  # pylint: disable=invalid-name
 
 # --- 5. The train cell that wraps a cell --------------------------------------------------------------------------
 # MindSpore keeps no parent pointer, and GraphExecutor does not expose the cell being compiled. The top cell is
-# the `self` of Cell.compile's frame (graph mode) or of the constructs being called (PyNative), so the train cell
-# around a cell is found among the cells of the frames on the stack.
-_WRAPPER_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# the `self` of Cell.compile's frame (graph mode) or of the constructs being called (PyNative), so the cells around
+# a cell are found among the cells of the frames on the stack. A nested ms.jit graph compiles apart, without them:
+# callers resolve in their own construct and remember the result.
+_ENCLOSING_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _cells_on_stack() -> list:
@@ -98,28 +99,41 @@ def _cells_on_stack() -> list:
     return cells
 
 
+def _enclosing_cells(cell: nn.Cell) -> list:
+    """The cells among those being compiled or called whose tree holds `cell` (not `cell` itself), innermost first."""
+    roots = _cells_on_stack()
+    cached = _ENCLOSING_CACHE.get(cell)
+    # The same cells on the stack (by identity, not by a reusable id) give the same answer: reuse it.
+    if cached is not None and len(cached[0]) == len(roots) and all(r() is root for r, root in zip(cached[0], roots)):
+        found = [ref() for ref in cached[1]]
+        if all(c is not None for c in found):
+            return found
+    found = []
+    for root in roots:
+        for _, candidate in root.cells_and_names():
+            if candidate is not cell and all(candidate is not c for c in found) and \
+                    any(sub is cell for _, sub in candidate.cells_and_names()):
+                found.append(candidate)
+    found.sort(key=lambda c: len(list(c.cells_and_names())))
+    _ENCLOSING_CACHE[cell] = (tuple(weakref.ref(root) for root in roots), tuple(weakref.ref(c) for c in found))
+    return found
+
+
 def enclosing_train_cell(cell: nn.Cell) -> Optional[nn.TrainOneStepCell]:
     """The innermost ``nn.TrainOneStepCell`` (or subclass: ``Model``'s, the loss-scale cells, this package's)
     whose tree holds `cell`, among the cells being compiled or called; ``None`` outside any (functional style)."""
-    roots = _cells_on_stack()
-    cached = _WRAPPER_CACHE.get(cell)
-    # The same cells on the stack (by identity, not by a reusable id) give the same answer: reuse it.
-    if cached is not None and len(cached[0]) == len(roots) and all(r() is root for r, root in zip(cached[0], roots)):
-        if cached[1] is None:
-            return None
-        if cached[1]() is not None:
-            return cached[1]()
-    candidates = []
-    for root in roots:
-        for _, candidate in root.cells_and_names():
-            if isinstance(candidate, nn.TrainOneStepCell) and candidate is not cell and \
-                    all(candidate is not c for c in candidates) and \
-                    any(sub is cell for _, sub in candidate.cells_and_names()):
-                candidates.append(candidate)
-    wrapper = min(candidates, key=lambda c: len(list(c.cells_and_names())), default=None)
-    _WRAPPER_CACHE[cell] = (tuple(weakref.ref(root) for root in roots),
-                            weakref.ref(wrapper) if wrapper is not None else None)
-    return wrapper
+    return next((c for c in _enclosing_cells(cell) if isinstance(c, nn.TrainOneStepCell)), None)
+
+
+def enclosing_optimizer(cell: nn.Cell) -> Optional[nn.Optimizer]:
+    """The optimizer of the innermost cell around `cell` that holds one as ``.optimizer`` (every
+    ``nn.TrainOneStepCell``, and hand-written train cells written as MindSpore's tutorials write them);
+    ``None`` outside any."""
+    for candidate in _enclosing_cells(cell):
+        optimizer = candidate.__dict__.get("optimizer") or candidate._cells.get("optimizer")  # pylint: disable=protected-access
+        if isinstance(optimizer, nn.Optimizer):
+            return optimizer
+    return None
 
 
 def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:

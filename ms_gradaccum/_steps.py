@@ -10,7 +10,7 @@ from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._cell import GradAccumulationCell
 from ms_gradaccum._engine import MicroBatchGradients
-from ms_gradaccum._internals import CompileChecks, primexpr, run_compile_checks
+from ms_gradaccum._internals import CompileChecks, enclosing_optimizer, primexpr, run_compile_checks
 from ms_gradaccum._parallel import ParallelPassGradAccumulationCell
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._validation import (argument_error, check_bool, check_cell, check_has_parameters,
@@ -210,6 +210,12 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see _internals.CompileChecks."""
         check_data_parallel_ready(_NAME)
+        outer = enclosing_optimizer(self)
+        if outer is not None:
+            raise ValueError(
+                f"For '{_NAME}', the cell is a train cell with its own optimizer, but it is wrapped in another cell "
+                f"that holds an optimizer too (Model(cell, optimizer=...) builds one), which would apply a second, "
+                f"zero update. Train it as Model({_NAME}(...)) without optimizer=, or call it directly.")
         self.loss_scale.check()
 
     def _targets(self) -> tuple:

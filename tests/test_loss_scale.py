@@ -90,21 +90,22 @@ def test_loss_scale_unscaled_micro_batches_underflow():
 MODEL_SCALE = 2.0 ** 12
 
 
-def _model_run(network_of, drop_overflow_update=False):
+def _model_run(network_of, drop_overflow_update=False, amp_level="O2"):
     net = make_mlp()
     initial = params_of(net)
     model = Model(network_of(nn.WithLossCell(net, _SmallLoss())),
-                  optimizer=nn.SGD(net.trainable_params(), 1e4, loss_scale=MODEL_SCALE), amp_level="O2",
+                  optimizer=nn.SGD(net.trainable_params(), 1e4, loss_scale=MODEL_SCALE), amp_level=amp_level,
                   loss_scale_manager=FixedLossScaleManager(MODEL_SCALE, drop_overflow_update=drop_overflow_update))
     model.train(1, classification_dataset(2, BATCH), dataset_sink_mode=False)
     return params_of(net), initial
 
 
-def test_loss_scale_model_amp_o2_fixed_manager_trains_like_full_batch():
-    expected, initial = _model_run(lambda loss_net: loss_net)
-    actual, _ = _model_run(lambda loss_net: GradAccumulationCell(loss_net, K))
+@pytest.mark.parametrize("amp_level", ["O2", "O3"])
+def test_loss_scale_model_amp_fixed_manager_trains_like_full_batch(amp_level):
+    expected, initial = _model_run(lambda loss_net: loss_net, amp_level=amp_level)
+    actual, _ = _model_run(lambda loss_net: GradAccumulationCell(loss_net, K), amp_level=amp_level)
     _assert_same_update(actual, expected, initial)
-    control, _ = _model_run(lambda loss_net: GradAccumulationCell(loss_net, K, loss_scale=1.0))
+    control, _ = _model_run(lambda loss_net: GradAccumulationCell(loss_net, K, loss_scale=1.0), amp_level=amp_level)
     assert _moved(control, initial) < 0.5 * sum(v.size for v in initial.values())
 
 

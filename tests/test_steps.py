@@ -6,7 +6,7 @@ from mindspore import nn, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell
 from helpers import (assert_params_close, assert_params_equal, assert_params_moved, classification_batches,
-                     make_mlp, make_optimizer, max_abs_diff, params_of, reference_run)
+                     classification_dataset, make_mlp, make_optimizer, max_abs_diff, params_of, reference_run)
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
@@ -191,3 +191,26 @@ def test_steps_bad_arguments_rejected(kwargs, error, message):
     arguments.update(kwargs)
     with pytest.raises(error, match="For 'AccumulatingTrainOneStepCell', " + message.replace("(", r"\(").replace(")", r"\)")):
         AccumulatingTrainOneStepCell(**arguments)
+
+
+def test_steps_pynative_micro_batches_and_window_match_full_batch_reference():
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    batches = classification_batches(8, 8)
+    expected, _, initial = reference_run(make_mlp, _loss_fn(), "adam", _windows(batches, [2, 2, 2, 2]))
+    net = make_mlp()
+    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _loss_fn()), make_optimizer("adam", net.trainable_params()),
+                                        2, micro_size=4)
+    snapshots, _ = _run(cell, net, batches)
+    assert_params_moved(expected, initial)
+    assert_params_close(snapshots[-1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_steps_train_cell_given_to_model_with_an_optimizer_is_refused():
+    # Model(cell, optimizer=opt) would wrap this train cell in a second one, which applies a zero update on top.
+    net, cell = _accumulating("momentum", 2)
+    model = ms.Model(cell, optimizer=make_optimizer("momentum", net.trainable_params()))
+    initial = params_of(net)
+    with pytest.raises(ValueError, match=r"wrapped in another cell that holds an optimizer too \(Model\(cell, "
+                                         r"optimizer=...\) builds one\)"):
+        model.train(1, classification_dataset(2, 8), dataset_sink_mode=False)
+    assert_params_equal(params_of(net), initial)

@@ -6,7 +6,7 @@ accumulation must follow exactly what plain full-batch training with the same op
 import numpy as np
 import mindspore as ms
 import pytest
-from mindspore import nn, Tensor
+from mindspore import nn, ops, Tensor
 from mindspore.train import Model
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
@@ -146,3 +146,33 @@ def test_trainable_accumulating_cell_around_grad_accumulation_cell(freeze_before
     actual, _ = _staged(lambda loss_net: GradAccumulationCell(loss_net, K), freeze_before, freeze_after,
                         "accumulating", optimizer="adam")
     assert_params_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+class _HandWrittenTrainCell(nn.Cell):
+    """A train cell as MindSpore's tutorials write one (not an nn.TrainOneStepCell): it holds `optimizer`."""
+
+    def __init__(self, network, optimizer):
+        super().__init__(auto_prefix=False)
+        self.network, self.optimizer = network, optimizer
+        self.weights = optimizer.parameters
+        self.grad = ops.GradOperation(get_by_list=True)
+
+    def construct(self, x, y):
+        loss = self.network(x, y)
+        grads = self.grad(self.network, self.weights)(x, y)
+        return ops.depend(loss, self.optimizer(grads))
+
+
+def test_trainable_hand_written_train_cell_is_followed_through_its_optimizer():
+    def run(wrap):
+        net = make_mlp()
+        loss_net = wrap(nn.WithLossCell(net, _ce()))
+        opt = make_optimizer("momentum", net.trainable_params())
+        _set_first_layer(net, False)   # frozen after the optimizer was built: plain training still updates it
+        train_steps(_HandWrittenTrainCell(loss_net, opt), classification_batches(STEPS, BATCH))
+        return _all_params(net)
+
+    expected = run(lambda loss_net: loss_net)
+    initial = _all_params(make_mlp())
+    assert max_abs_diff({n: expected[n] for n in FIRST}, {n: initial[n] for n in FIRST}) > 1e-3
+    assert_params_close(run(lambda loss_net: GradAccumulationCell(loss_net, K)), expected, **TOLERANCE)
