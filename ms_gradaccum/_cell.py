@@ -6,8 +6,10 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._engine import MicroBatchGradients
-from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, CompileChecks, compile_time,
-                                     enclosing_optimizer, parallel_mode, primexpr, run_compile_checks)
+from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, CompileChecks, TrainGradAccuStepCell,
+                                     compile_time, enclosing_optimizer, enclosing_train_cell, parallel_mode, primexpr,
+                                     run_compile_checks)
+from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._validation import (check_bool, check_cell, check_has_parameters, check_positive_int,
@@ -138,17 +140,11 @@ class GradAccumulationCell(PrecisionNeutral):
         ()
     """
 
-    def __new__(cls, *args, **kwargs):
-        # The mechanism is chosen here, once: in semi-auto/auto parallel MindSpore's parallel pass accumulates, and
-        # the cell built is the subclass that hands the work to it (every attribute of each variant always exists).
-        if cls is GradAccumulationCell and parallel_mode() in PARALLEL_PASS_MODES:
-            from ms_gradaccum._parallel import ParallelPassGradAccumulationCell  # pylint: disable=import-outside-toplevel
-            cls = ParallelPassGradAccumulationCell
-        return super().__new__(cls, *args, **kwargs)
-
     def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: bool = False):
         micro_size, per_token_loss = validate_arguments(network, micro_size, per_token_loss)
         scale = _loss_scale.for_grad_accumulation_cell(loss_scale, self, network, _NAME)
+        if parallel_mode() in PARALLEL_PASS_MODES:
+            check_parallel_pass_arguments(loss_scale is not None, per_token_loss)
         if micro_size > 1:
             warn_batch_norm(network, _NAME, f"micro_size={micro_size} micro-batches")
         super().__init__(auto_prefix=False)
@@ -163,11 +159,27 @@ class GradAccumulationCell(PrecisionNeutral):
         self.token_totals = TokenTotals(per_token_loss, _NAME)
         self.replicas = ReplicaCheck(self._targets, _NAME)
         self.gradient_of = GradientOf()
+        # Both mechanisms exist from the start; the parallel mode in force when Model builds its train cell and when
+        # the graph compiles (AutoParallel sets it only then) picks one: see parallel_pass.
+        self.parallel_pass_part = ParallelPassAccumulation(network, micro_size)
         self.compile_checks = CompileChecks(self)
 
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see _internals.CompileChecks."""
         check_data_parallel_ready(_NAME)
+        wrapper = enclosing_train_cell(self)
+        if self.parallel_pass:
+            check_parallel_pass_arguments(self.explicit_loss_scale, self.per_token_loss)
+            # _TrainGradAccuStepCell makes accu_grads.<weight> buffers of its own: ours (from an earlier stand-alone
+            # graph) would clash by name, and are not used here.
+            self.gradient_buffers.for_weights([])
+            return
+        if isinstance(wrapper, TrainGradAccuStepCell):
+            raise RuntimeError(
+                f"For '{_NAME}', the train cell around it is MindSpore's _TrainGradAccuStepCell, which Model builds "
+                f"for semi-auto/auto parallel, but the graph compiles in {parallel_mode()} mode, where nothing would "
+                f"fill its buffers (it would train nothing). Keep the same parallel mode (or AutoParallel) for "
+                f"Model(...) and model.train(...).")
         if not self._trained_weights():
             raise no_trained_weights_error(_NAME, self.network)
         self._resolve()
@@ -175,10 +187,19 @@ class GradAccumulationCell(PrecisionNeutral):
 
     @property
     def cls_name(self) -> str:
-        # mindspore.train.amp._is_grad_accumulation reads cls_name to pick Model's training wrapper; under a routed
-        # name this cell would be handed to _TrainGradAccuStepCell and train nothing (see _internals).
+        # mindspore.train.amp._is_grad_accumulation reads cls_name when Model builds its train cell (see _internals):
+        # a routed name gets MindSpore's _TrainGradAccuStepCell, which only the semi-auto/auto-parallel pass feeds.
+        # So the routed name only in those modes (in force then, whether set globally or by AutoParallel).
+        if self.parallel_pass:
+            return "GradAccumulationCell"
         name = type(self).__name__
         return _UNROUTED_NAME if name in ROUTED_NAMES else name
+
+    @compile_time
+    def parallel_pass(self) -> bool:
+        """Whether MindSpore's semi-auto/auto-parallel pass does the accumulation: read when ``Model`` builds its train
+        cell and when the graph compiles, so it follows ``set_auto_parallel_context`` and ``AutoParallel`` alike."""
+        return parallel_mode() in PARALLEL_PASS_MODES
 
     def _trained_weights(self) -> list:
         """The weights the wrapping train cell differentiates (its optimizer's), or those with ``requires_grad=True``
@@ -220,6 +241,8 @@ class GradAccumulationCell(PrecisionNeutral):
 
     def construct(self, *inputs):
         run_compile_checks(self.compile_checks)
+        if self.parallel_pass:
+            return self.parallel_pass_part(*inputs)
         # Under data parallel, the first step first checks that every rank holds the same weights.
         scale = self.replicas(self.loss_scale())
         unit = Tensor(_count_unit(inputs[0].shape[0], self.micro_size), mstype.float32)

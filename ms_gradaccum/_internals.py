@@ -33,8 +33,17 @@ from mindspore.ops.primitive import _primexpr as primexpr  # noqa: E402
 
 # --- 4. The semi-auto/auto-parallel accumulation markers --------------------------------------------------------
 # mindspore.parallel.nn.GradAccumulation marks micro-batch slices (`grad_accu_num`) and forward ends (`forward_end`)
-# for the parallel pass; only the pass reads those attributes.
-from mindspore.parallel.nn import GradAccumulation as ParallelPassMarkers  # noqa: E402,F401
+# for the parallel pass; only the pass reads those attributes. Its class name is one Model routes (see 1.), so inside
+# GradAccumulationCell, which presents the routed name itself in the modes where routing is wanted, it must not.
+from mindspore.parallel.nn import GradAccumulation  # noqa: E402
+
+
+class ParallelPassMarkers(GradAccumulation):
+    """MindSpore's GradAccumulation under a name that Model does not route."""
+
+    @property
+    def cls_name(self) -> str:
+        return "ParallelPassMarkers"
 
 PARALLEL_PASS_MODES = frozenset({ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.ParallelMode.AUTO_PARALLEL})
 

@@ -4,21 +4,34 @@ In these modes ``Model`` routes a cell named ``GradAccumulationCell`` into MindS
 ``_TrainGradAccuStepCell``, and the parallel compiler pass accumulates the micro-batch gradients into
 ``accu_grads`` buffers (sharded by the parallel optimizer). MindSpore's own
 :class:`mindspore.parallel.nn.GradAccumulation` marks what that pass reads: a ``StridedSlice`` per micro-batch
-carrying ``grad_accu_num`` and ``Add`` ops carrying ``forward_end``. This variant of the cell only wraps it so that
-the value is the mean loss and the loss scale is not lost on the way. ``GradAccumulationCell(...)`` builds it when
-one of these modes is in force.
+carrying ``grad_accu_num`` and ``Add`` ops carrying ``forward_end``. This part of ``GradAccumulationCell`` only wraps
+it so that the value is the mean loss and the loss scale is not lost on the way. The cell uses it when one of these
+modes is in force, set by ``set_auto_parallel_context`` or by ``AutoParallel`` (which sets it while ``Model`` builds
+its train cell and while the graph compiles).
 """
 from mindspore import nn, ops
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._cell import GradAccumulationCell, validate_arguments
 from ms_gradaccum._internals import ParallelPassMarkers, compile_time, enclosing_train_cell, scale_left_out
 from ms_gradaccum._loss_scale import PrecisionNeutral
 
 _NAME = "GradAccumulationCell"
 
 
-class ParallelPassGradAccumulationCell(GradAccumulationCell):
+def check_parallel_pass_arguments(explicit_loss_scale: bool, per_token_loss: bool) -> None:
+    """What the parallel pass cannot do: a token loss, a loss scale of the cell's own."""
+    if per_token_loss:
+        raise ValueError(
+            f"For '{_NAME}', per_token_loss=True is not supported under semi-auto/auto parallel, where MindSpore's "
+            f"parallel pass accumulates a scalar loss. Return the mean loss, or train data parallel.")
+    if explicit_loss_scale:
+        raise ValueError(
+            f"For '{_NAME}', the argument 'loss_scale' must be None under semi-auto/auto parallel, where the loss "
+            f"scale comes from Model's loss_scale_manager (the cell scales its backward by the optimizer's "
+            f"loss_scale).")
+
+
+class ParallelPassAccumulation(PrecisionNeutral):
     """Returns the mean micro-batch loss, with the gradient of ``loss_scale * sum`` of the micro-batch losses.
 
     ``_TrainGradAccuStepCell`` reads ``micro_size`` from the cell tree and scales the gradient by
@@ -29,28 +42,10 @@ class ParallelPassGradAccumulationCell(GradAccumulationCell):
     and by 1 otherwise (:func:`~ms_gradaccum._internals.scale_left_out`).
     """
 
-    def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: bool = False):
-        micro_size, per_token_loss = validate_arguments(network, micro_size, per_token_loss)
-        if per_token_loss:
-            raise ValueError(
-                f"For '{_NAME}', per_token_loss=True is not supported under semi-auto/auto parallel, where MindSpore's "
-                f"parallel pass accumulates a scalar loss. Return the mean loss, or train data parallel.")
-        if loss_scale is not None:
-            raise ValueError(
-                f"For '{_NAME}', the argument 'loss_scale' must be None under semi-auto/auto parallel, where the loss "
-                f"scale comes from Model's loss_scale_manager (the cell scales its backward by the optimizer's "
-                f"loss_scale), but got {loss_scale!r}.")
-        PrecisionNeutral.__init__(self, auto_prefix=False)   # none of the stand-alone machinery is built
-        self.network = network
-        self.micro_size = micro_size
-        self.per_token_loss = False
-        self.explicit_loss_scale = False
+    def __init__(self, network: nn.Cell, micro_size: int):
+        super().__init__(auto_prefix=False)
         self.markers = ParallelPassMarkers(network, micro_size)
-
-    @property
-    def cls_name(self) -> str:
-        # In these modes the routing into _TrainGradAccuStepCell is wanted (the markers would trigger it anyway).
-        return "GradAccumulationCell"
+        self.micro_size = micro_size
 
     @compile_time
     def left_out_scale(self) -> float:

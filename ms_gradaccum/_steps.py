@@ -10,8 +10,8 @@ from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._cell import GradAccumulationCell
 from ms_gradaccum._engine import MicroBatchGradients
-from ms_gradaccum._internals import CompileChecks, enclosing_optimizer, primexpr, run_compile_checks
-from ms_gradaccum._parallel import ParallelPassGradAccumulationCell
+from ms_gradaccum._internals import (PARALLEL_PASS_MODES, CompileChecks, enclosing_optimizer, parallel_mode, primexpr,
+                                     run_compile_checks)
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._validation import (argument_error, check_bool, check_cell, check_has_parameters,
                                       check_positive_int, warn_batch_norm)
@@ -210,6 +210,11 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see _internals.CompileChecks."""
         check_data_parallel_ready(_NAME)
+        if parallel_mode() in PARALLEL_PASS_MODES:
+            raise RuntimeError(
+                f"For '{_NAME}', semi-auto/auto parallel is not supported: there MindSpore's parallel pass does the "
+                f"accumulation and shards its buffers. Train Model(GradAccumulationCell(loss_net, micro_size), "
+                f"optimizer=...) instead (under set_auto_parallel_context or AutoParallel).")
         outer = enclosing_optimizer(self)
         if outer is not None:
             raise ValueError(
@@ -342,11 +347,6 @@ def _loss_network(network: nn.Cell, micro_size: Optional[int], per_token_loss: O
     if per_token_loss is not None:
         per_token_loss = check_bool(per_token_loss, "per_token_loss", _NAME)
     if isinstance(network, GradAccumulationCell):
-        if isinstance(network, ParallelPassGradAccumulationCell):
-            raise ValueError(
-                f"For '{_NAME}', the argument 'network' is a GradAccumulationCell created under semi-auto/auto "
-                f"parallel, where MindSpore's parallel pass does the accumulation; train it with "
-                f"Model(GradAccumulationCell(...), optimizer=...) instead.")
         for name, given, held in (("micro_size", micro_size, network.micro_size),
                                   ("per_token_loss", per_token_loss, network.per_token_loss)):
             if given is not None and given != held:

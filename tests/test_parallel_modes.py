@@ -7,8 +7,11 @@ from mindspore import nn, Tensor
 from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell
 from mindspore.train.amp import _is_grad_accumulation
 
-from ms_gradaccum import GradAccumulationCell
-from helpers import classification_batches, make_mlp
+from mindspore.parallel.auto_parallel import AutoParallel
+
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
+from helpers import (assert_params_close, assert_params_moved, classification_batches, make_mlp, make_optimizer,
+                     params_of, reference_run, train_steps)
 
 K = 4
 
@@ -19,8 +22,12 @@ def reset_parallel_context():
     ms.reset_auto_parallel_context()
 
 
+def _ce():
+    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+
+
 def _loss_net():
-    return nn.WithLossCell(make_mlp(), nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+    return nn.WithLossCell(make_mlp(), _ce())
 
 
 def _primitives(cell, prim_name):
@@ -54,21 +61,107 @@ def test_parallel_modes_semi_auto_routes_into_mindspore_accumulation_with_marker
 def test_parallel_modes_stand_alone_and_data_parallel_are_not_routed(mode):
     ms.set_auto_parallel_context(parallel_mode=mode)
     cell = GradAccumulationCell(_loss_net(), K)
-    assert not _is_grad_accumulation(cell)
-    assert not _primitives(cell, "StridedSlice")
+    assert not _is_grad_accumulation(cell) and not cell.parallel_pass
+    model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1))
+    assert type(model._train_network) is nn.TrainOneStepCell  # pylint: disable=protected-access
+
+
+def test_parallel_modes_mechanism_follows_the_mode_in_force_not_the_one_at_construction():
+    # Built under semi-auto, trained stand-alone: the cell's own loop, exactly the full batch (a construction-time
+    # choice would have kept the parallel-pass markers, which accumulate nothing outside that pass).
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    net = make_mlp()
+    cell = GradAccumulationCell(nn.WithLossCell(net, _ce()), K)
+    assert cell.parallel_pass and _is_grad_accumulation(cell)
+    ms.reset_auto_parallel_context()
+    assert not cell.parallel_pass and not _is_grad_accumulation(cell)
+    batches = classification_batches(3, 32)
+    expected, _, initial = reference_run(make_mlp, _ce(), "momentum", batches)
+    train_steps(nn.TrainOneStepCell(cell, make_optimizer("momentum", net.trainable_params())), batches)
+    assert_params_moved(expected, initial)
+    assert_params_close(params_of(net), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_parallel_modes_mode_changed_between_model_and_train_is_refused():
+    # Model built under semi-auto (routed to _TrainGradAccuStepCell), then trained stand-alone: its buffers would
+    # never be filled. The check that runs when the graph compiles refuses it.
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    cell = GradAccumulationCell(_loss_net(), K)
+    model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1))
+    ms.reset_auto_parallel_context()
+    with pytest.raises(RuntimeError, match=r"the train cell around it is MindSpore's _TrainGradAccuStepCell, which "
+                                           r"Model builds for semi-auto/auto parallel, but the graph compiles in "
+                                           r"stand_alone mode"):
+        _CompilingFrame(model._train_network).compile(cell.check_at_compile)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("parallel_mode, expected", [("semi_auto", "semi_auto_parallel"),
+                                                     ("sharding_propagation", "auto_parallel"),
+                                                     ("recursive_programming", "auto_parallel")])
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_parallel_modes_auto_parallel_wrapper_routes_while_model_builds(parallel_mode, expected, hsdp):
+    # MindSpore 2.10's AutoParallel sets the parallel context only while Model builds its train cell and while the
+    # graph compiles (mindspore/parallel/_utils.py::_init_auto_parallel_context). The cell is built stand-alone,
+    # before the wrapper, and must still hand the accumulation to the parallel pass. 8 devices are simulated
+    # (AutoParallel reads the group size, 1 on CPU without init(), which would mean stand-alone).
+    cell = GradAccumulationCell(_loss_net(), K)
+    wrapped = AutoParallel(cell, parallel_mode=parallel_mode)
+    if hsdp:
+        wrapped.hsdp()
+    wrapped._device_num = 8  # pylint: disable=protected-access
+    assert not cell.parallel_pass   # outside Model: the global context, stand-alone
+
+    seen = {}
+    original = _TrainGradAccuStepCell.__init__
+
+    def record(self, network, optimizer, *args, **kwargs):
+        seen["mode"] = ms.get_auto_parallel_context("parallel_mode")
+        seen["parallel_pass"] = cell.parallel_pass
+        original(self, network, optimizer, *args, **kwargs)
+
+    _TrainGradAccuStepCell.__init__ = record
+    try:
+        model = ms.Model(wrapped, optimizer=nn.SGD(cell.trainable_params(), 0.1))
+    finally:
+        _TrainGradAccuStepCell.__init__ = original
+    train_network = model._train_network  # pylint: disable=protected-access
+    assert type(train_network) is _TrainGradAccuStepCell and seen == {"mode": expected, "parallel_pass": True}
+    assert train_network.sens == pytest.approx(1.0 / K)
+    assert bool(train_network.opt_shard) == hsdp      # hsdp(): the parallel optimizer shards the buffers
+    assert ms.get_auto_parallel_context("parallel_mode") == "stand_alone"   # Model restored the context
+
+
+def test_parallel_modes_accumulating_cell_refused_under_semi_auto():
+    net = make_mlp()
+    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _ce()), nn.SGD(net.trainable_params(), 0.1), 2)
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    with pytest.raises(RuntimeError, match=r"For 'AccumulatingTrainOneStepCell', semi-auto/auto parallel is not "
+                                           r"supported.*Model\(GradAccumulationCell\(loss_net, micro_size\)"):
+        cell.check_at_compile()
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(per_token_loss=True), "per_token_loss=True is not supported"),
+                                             (dict(loss_scale=8.0), "the argument 'loss_scale' must be None")])
+def test_parallel_modes_semi_auto_refuses_what_the_pass_cannot_do(kwargs, message):
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    with pytest.raises(ValueError, match=message):
+        GradAccumulationCell(_loss_net(), K, **kwargs)
+    ms.reset_auto_parallel_context()
+    cell = GradAccumulationCell(_loss_net(), K, **kwargs)   # built stand-alone, compiled under semi-auto
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    with pytest.raises(ValueError, match=message):
+        cell.check_at_compile()
 
 
 def test_parallel_modes_semi_auto_output_is_mean_loss_with_gradient_of_sum():
-    # _TrainGradAccuStepCell multiplies the gradient by 1/micro_size, so the cell must return the mean loss
-    # (for LossMonitor) whose gradient is that of the SUM. The graph is built under semi-auto and, since
-    # that cannot compile on CPU, evaluated stand-alone (the markers are inert there).
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    # _TrainGradAccuStepCell multiplies the gradient by 1/micro_size, so the parallel-pass part must return the mean
+    # loss (for LossMonitor) whose gradient is that of the SUM. Since semi-auto cannot compile on CPU, the part is
+    # evaluated stand-alone (the markers are inert there).
     cell = GradAccumulationCell(_loss_net(), K)
-    ms.reset_auto_parallel_context()
     reference = _loss_net()
 
     x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
-    loss, grads = ms.value_and_grad(cell, None, cell.trainable_params())(x, y)
+    loss, grads = ms.value_and_grad(cell.parallel_pass_part, None, cell.trainable_params())(x, y)
     ref_loss, ref_grads = ms.value_and_grad(reference, None, reference.trainable_params())(x, y)
 
     np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy(), rtol=1e-6)
@@ -102,10 +195,10 @@ def test_parallel_modes_semi_auto_fixed_loss_scale_reaches_the_backward():
     scale = 2.0 ** 10
     cell, train_network = _semi_auto_fixed_scale_model(scale)
     assert type(train_network) is _TrainGradAccuStepCell and not train_network.sense_flag
-    assert _CompilingFrame(train_network).compile(lambda: cell.left_out_scale) == scale
+    assert _CompilingFrame(train_network).compile(lambda: cell.parallel_pass_part.left_out_scale) == scale
     # Any other wrapper applies its own scale: nothing is scaled twice.
     plain = nn.TrainOneStepCell(cell, nn.SGD(cell.trainable_params(), 0.1), sens=scale)
-    assert _CompilingFrame(plain).compile(lambda: cell.left_out_scale) == 1.0
+    assert _CompilingFrame(plain).compile(lambda: cell.parallel_pass_part.left_out_scale) == 1.0
 
 
 def test_parallel_modes_semi_auto_gradient_carries_the_optimizer_loss_scale():
@@ -117,7 +210,7 @@ def test_parallel_modes_semi_auto_gradient_carries_the_optimizer_loss_scale():
     x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
 
     def gradients():
-        return ms.value_and_grad(cell, None, cell.trainable_params())(x, y)
+        return ms.value_and_grad(cell.parallel_pass_part, None, cell.trainable_params())(x, y)
 
     loss, grads = _CompilingFrame(wrapper).compile(gradients)
     ref_loss, ref_grads = ms.value_and_grad(reference, None, reference.trainable_params())(x, y)
