@@ -16,9 +16,10 @@ setup(
     packages=find_packages(include=["ms_gradaccum", "ms_gradaccum.*"]),
     python_requires=">=3.9",
     install_requires=[
-        "mindspore==2.10.0",
-        # MindSpore 2.10.0's extension is built against NumPy 1.x: with NumPy 2 the first PyNative
-        # Tensor.reshape raises "numpy.core.multiarray failed to import" (measured).
+        # The range tested in CI: the whole suite on 2.10.0, its core on 2.7.0 (ms_gradaccum/_internals.py).
+        "mindspore>=2.7.0,<2.11",
+        # MindSpore's extension is built against NumPy 1.x: with NumPy 2 the first PyNative
+        # Tensor.reshape raises "numpy.core.multiarray failed to import" (measured on 2.10.0).
         "numpy>=1.25,<2",
     ],
     extras_require={

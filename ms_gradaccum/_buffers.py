@@ -25,6 +25,7 @@ import numpy as np
 from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
+from ms_gradaccum._internals import AUGMENTED_ASSIGNMENT_IN_PLACE
 from ms_gradaccum._microbatch import plan
 
 GRAD_PREFIX = "accu_grads"
@@ -103,16 +104,26 @@ def add_gradients(buffers, grads, overwrite=False, after=None):
 
 
 def divide_in_place(buffers, divisor):
-    """Each buffer / `divisor` (a scalar Tensor), in the buffer's dtype; returns the buffers.
+    """Each buffer / `divisor` (a scalar Tensor), in the buffer's dtype, written into the buffer; returns the buffers.
 
-    In graph mode ``/=`` on a Parameter divides in place (InplaceDiv), so the mean costs no memory; in PyNative
-    mode it is an ordinary division, as correct.
+    In graph mode ``/=`` on a Parameter divides in place (InplaceDiv), so the mean costs no memory; where MindSpore
+    does not (2.7, see _internals) each buffer is assigned its quotient, one after another.
     """
     out = ()
     for buffer in buffers:
-        buffer /= ops.cast(divisor, buffer.dtype)
+        if AUGMENTED_ASSIGNMENT_IN_PLACE:
+            buffer /= ops.cast(divisor, buffer.dtype)
+        else:
+            buffer = ops.assign(buffer, buffer / ops.cast(divisor, buffer.dtype))
         out += (buffer,)
     return out
+
+
+def multiply_in_place(buffer, factor):
+    """``buffer * factor`` in the buffer's dtype, written into the buffer where MindSpore does that in place (2.8 on:
+    no gradient-sized temporary); the product is returned either way, and is what callers use."""
+    buffer *= ops.cast(factor, buffer.dtype)
+    return buffer
 
 
 def clear(buffers, after):

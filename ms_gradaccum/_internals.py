@@ -4,15 +4,41 @@ Each entry says why the package needs it and against which MindSpore versions it
 (:data:`CHECKED_VERSIONS`). No other module imports a private MindSpore name or depends on undocumented
 behaviour; when MindSpore changes one of these, this is the file to adapt.
 """
+import re
 import sys
 import weakref
-from typing import Optional
+from typing import Optional, Tuple
 
 import mindspore as ms
 from mindspore import nn
 
-# Read against the installed package source of each of these versions.
-CHECKED_VERSIONS = ("2.10.0",)
+# --- 0. Versions ----------------------------------------------------------------------------------------------------
+# Every entry below was read in the installed source of, and tested against, the lowest and the highest of these
+# (the CI runs the whole suite on the highest and the core of it on the lowest).
+CHECKED_VERSIONS = ("2.7.0", "2.8.0", "2.9.0", "2.10.0")
+SUPPORTED = ((2, 7, 0), (2, 11, 0))   # lowest supported, first unsupported
+SUPPORTED_TEXT = "mindspore>=2.7.0,<2.11"
+
+
+def mindspore_version(text: str = ms.__version__) -> Tuple[int, int, int]:
+    """``(major, minor, patch)`` of a MindSpore version string such as ``2.10.0`` or ``2.9.0rc1``."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if found is None:
+        raise ImportError(f"ms_gradaccum cannot read the installed MindSpore's version {text!r}; it supports "
+                          f"{SUPPORTED_TEXT}.")
+    return int(found.group(1)), int(found.group(2)), int(found.group(3) or 0)
+
+
+def check_mindspore_version(text: str = ms.__version__) -> None:
+    """An ImportError naming the installed and the supported versions, before anything compiles."""
+    if not SUPPORTED[0] <= mindspore_version(text) < SUPPORTED[1]:
+        raise ImportError(
+            f"ms_gradaccum supports {SUPPORTED_TEXT}, but MindSpore {text} is installed; the cells rely on MindSpore "
+            f"internals checked against {', '.join(CHECKED_VERSIONS)}. Install a supported version, e.g. "
+            f"pip install '{SUPPORTED_TEXT}'.")
+
+
+check_mindspore_version()
 
 # --- 1. Model's routing by class name -------------------------------------------------------------------------
 # mindspore/train/amp.py::_is_grad_accumulation walks the cell tree and checks `cell.cls_name` against these names;
@@ -182,7 +208,14 @@ def reducer_all_reduces(reducer: nn.DistributedGradReducer) -> tuple:
     return flags, primitives, bool(reducer.mean), devices
 
 
-# --- 7. Communication and parallel context ------------------------------------------------------------------------
+# --- 7. In-place arithmetic on Parameters ---------------------------------------------------------------------------
+# In graph mode, `p /= d` on a Parameter writes p in place (InplaceDiv) from MindSpore 2.8 on (checked 2.8.0, 2.9.0,
+# 2.10.0). In 2.7.0 it makes a new tensor and leaves p unchanged, and Tensor.div_ silently does nothing; there the
+# buffers are written with ops.assign instead (the same values; a temporary per buffer, one at a time).
+AUGMENTED_ASSIGNMENT_IN_PLACE = mindspore_version() >= (2, 8, 0)
+
+
+# --- 8. Communication and parallel context ------------------------------------------------------------------------
 def communication_initialized() -> bool:
     """Whether ``mindspore.communication.init()`` has run (GlobalComm.INITED, set by init())."""
     from mindspore.communication._comm_helper import GlobalComm  # pylint: disable=import-outside-toplevel
