@@ -2,11 +2,15 @@
 # The main job: train the sample (sample_code/distributed_gradient_accumulation/train.py) with gradient
 # accumulation on N worker processes (default 8), then print where the logs are and a per-rank summary.
 #
-#   bash run.sh            # 8 workers
-#   bash run.sh 2          # 2 workers
+#   bash run.sh                # 8 workers
+#   bash run.sh 2              # 2 workers
 #   bash run.sh 1 --epochs 2   # arguments after N go to train.py
-#   bash run.sh 2 --check      # the equivalence check instead of training: exit 0 on PASS
+#   bash run.sh --check        # the equivalence check instead of training (8 workers): exit 0 on PASS
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=8118 bash run.sh 8   # on each node: 16 workers
+#
+# Python: the active python3 (or $PYTHON) when it has a MindSpore that ms_gradaccum supports (and scikit-learn for
+# the built-in data), with this checkout on PYTHONPATH; nothing is installed into it. Otherwise a private virtual
+# environment, $RUN_SH_VENV (default .venv in this checkout, git-ignored), created and filled once.
 #
 # Environment: DATA_PATH (MNIST in idx format; default: built-in digits), DEVICE_TARGET (CPU|GPU|Ascend,
 # default CPU), LAUNCHER (mpirun|msrun|cluster; default: cluster for several nodes, else mpirun when
@@ -15,11 +19,12 @@
 # MASTER_ADDR (node 0's address, default 127.0.0.1), MASTER_PORT (default: a free local port; required
 # with NNODES > 1); N is the number of workers on this node. HOSTFILE: passed to mpirun (--hostfile),
 # which then starts all NNODES x N workers from node 0.
+# Logs, whichever launcher runs: LOG_DIR/1/rank.<N>/stdout (the layout of the MindSpore tutorial's mpirun).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-workers="${1:-8}"
-[ $# -gt 0 ] && shift
+workers=8
+if [ $# -gt 0 ] && [[ "$1" != -* ]]; then workers="$1"; shift; fi
 usage="Usage: [NNODES=.. NODE_RANK=.. MASTER_ADDR=.. MASTER_PORT=..] bash run.sh [N] [train.py args...]"
 fail_usage() { echo "run.sh: $1 $usage" >&2; exit 2; }
 if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
@@ -38,27 +43,48 @@ if [ -n "${MASTER_PORT:-}" ]; then
 elif [ "$nnodes" -gt 1 ]; then
   fail_usage "MASTER_PORT must be set (the same on every node) when NNODES=$nnodes > 1."
 fi
+launcher="${LAUNCHER:-}"
+case "$launcher" in
+  ""|mpirun|msrun|cluster) ;;
+  *) fail_usage "LAUNCHER must be 'mpirun', 'msrun' or 'cluster', but got '$launcher'." ;;
+esac
 checking=0
 for arg in "$@"; do [ "$arg" = "--check" ] && checking=1; done
 device_target="${DEVICE_TARGET:-CPU}"
 run_timeout="${RUN_TIMEOUT:-1800}"
 log_dir="${LOG_DIR:-log_output}"
 script="sample_code/distributed_gradient_accumulation/train.py"
-python="${PYTHON:-python3}"
 
-# 1. Set up what the job needs (a fresh machine has only python3 and pip).
-if ! (cd / && "$python" -c "import ms_gradaccum, mindspore, sklearn") >/dev/null 2>&1; then
-  echo "run.sh: installing ms_gradaccum with the sample's dependencies (mindspore, scikit-learn)..."
-  "$python" -m pip install -q -e ".[sample]"
+# 1. The Python to run with. The package's own import refuses a MindSpore outside its range, so "it imports" is
+# the test; the checkout is used in place (PYTHONPATH), never installed into the active environment.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+needs="import ms_gradaccum"
+[ -z "${DATA_PATH:-}" ] && needs="$needs, sklearn"     # the built-in digits are made with scikit-learn
+python="${PYTHON:-python3}"
+if ! (cd / && "$python" -c "$needs") >/dev/null 2>&1; then
+  venv="${RUN_SH_VENV:-$PWD/.venv}"
+  if ! (cd / && "$venv/bin/python" -c "$needs") >/dev/null 2>&1; then
+    echo "run.sh: $python has no supported MindSpore (or no scikit-learn); installing them into $venv (once)..."
+    { [ -x "$venv/bin/python" ] || python3 -m venv "$venv"; } &&
+      "$venv/bin/python" -m pip install -q -e ".[sample]" ||
+      { echo "run.sh: could not install MindSpore and scikit-learn into $venv (see pip's message above)." >&2; exit 2; }
+  fi
+  python="$venv/bin/python"
 fi
+python="$(cd / && "$python" -c "import sys; print(sys.executable)")"
+# msrun and its workers, and mpirun's, run the python first on PATH: make it this one.
+export PATH="$(dirname "$python"):$PATH"
+
+# 2. Checks before anything is launched: bad train.py arguments, a missing or malformed DATA_PATH, a device
+# target MindSpore cannot use here, semi-auto parallel on CPU. Exit 2 with argparse's message.
 # Write the built-in dataset once, before the ranks start, so they do not all build it at the same time.
 if [ -z "${DATA_PATH:-}" ]; then
   DATA_PATH="$("$python" -c "import sys; sys.path.insert(0, 'sample_code/distributed_gradient_accumulation'); \
 from builtin_digits import ensure_digits_mnist; print(ensure_digits_mnist())")"
 fi
 export DATA_PATH
-# Bad train.py arguments fail here, with argparse's message and exit code 2, before anything is launched.
-"$python" "$script" --validate-only "$@" >/dev/null || exit 2
+ranks=$((workers * nnodes))
+MS_WORKER_NUM="$ranks" "$python" "$script" --validate-only --device-target "$device_target" "$@" >/dev/null || exit 2
 export GLOG_v="${GLOG_v:-3}"            # MindSpore: errors only, keeps the per-rank logs readable
 export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-10}"   # a dead rank is noticed in seconds, not minutes
 
@@ -69,7 +95,6 @@ mpirun_works() {
   timeout 20 mpirun --allow-run-as-root --oversubscribe -n 2 true >/dev/null 2>&1
 }
 
-launcher="${LAUNCHER:-}"
 if [ -z "$launcher" ]; then
   if [ "$nnodes" -gt 1 ]; then launcher=cluster; elif mpirun_works; then launcher=mpirun; else launcher=msrun; fi
 fi
@@ -82,17 +107,25 @@ if [ "$launcher" = mpirun ] && [ "$nnodes" -gt 1 ]; then
 fi
 rm -rf "$log_dir"
 mkdir -p "$log_dir"
+# One layout for every launcher: LOG_DIR/1/rank.<N>/stdout (mpirun's --output-filename writes it itself).
+rank_log() { echo "$log_dir/1/rank.$1/stdout"; }
+for ((rank = first_rank; rank < first_rank + workers; rank++)); do mkdir -p "$log_dir/1/rank.$rank"; done
+scheduler_log="$log_dir/scheduler.log"
 port="${MASTER_PORT:-$(free_port)}"
 echo "run.sh: $workers worker(s) on $device_target with $launcher (node $node_rank of $nnodes, $total in all, master $master_addr:$port), logs in $log_dir/, timeout ${run_timeout}s"
 
 status=0
 case "$launcher" in
   msrun)
+    # msrun names its logs worker_<N>.log in its own folder: each rank's standard place links to its file.
+    for ((rank = first_rank; rank < first_rank + workers; rank++)); do
+      ln -s "../../msrun/worker_$rank.log" "$(rank_log "$rank")"
+    done
+    scheduler_log="$log_dir/msrun/scheduler.log"
     timeout --kill-after=10 "$run_timeout" msrun --worker_num="$total" --local_worker_num="$workers" \
-      --node_rank="$node_rank" --master_addr="$master_addr" --master_port="$port" --log_dir="$log_dir" \
+      --node_rank="$node_rank" --master_addr="$master_addr" --master_port="$port" --log_dir="$log_dir/msrun" \
       --join=True --cluster_time_out=60 \
       "$script" --device-target "$device_target" "$@" >"$log_dir/msrun.log" 2>&1 || status=$?
-    rank_log() { echo "$log_dir/worker_$1.log"; }
     ;;
   mpirun)
     # MindSpore's collectives on CPU do not come up under plain mpirun: each rank joins MindSpore's own
@@ -109,7 +142,6 @@ case "$launcher" in
       "$python" "$script" --device-target "$device_target" "$@" >"$log_dir/mpirun.log" 2>&1 || status=$?
     if [ "$status" -ne 0 ]; then kill "$scheduler" 2>/dev/null || true; fi
     wait "$scheduler" 2>/dev/null || true
-    rank_log() { echo "$log_dir/1/rank.$1/stdout"; }
     ;;
   cluster)
     # MindSpore's dynamic cluster, started by hand: one scheduler (on node 0) and this node's workers, each told
@@ -124,7 +156,7 @@ case "$launcher" in
     for ((i = 0; i < workers; i++)); do
       rank=$((first_rank + i))
       MS_ROLE=MS_WORKER MS_NODE_ID="$rank" RANK_ID="$rank" \
-        "$python" "$script" --device-target "$device_target" "$@" >"$log_dir/worker_$rank.log" 2>&1 &
+        "$python" "$script" --device-target "$device_target" "$@" >"$(rank_log "$rank")" 2>&1 &
       pids+=($!)
     done
     deadline=$((SECONDS + run_timeout))
@@ -138,11 +170,6 @@ case "$launcher" in
       for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
       for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
     fi
-    rank_log() { echo "$log_dir/worker_$1.log"; }
-    ;;
-  *)
-    echo "run.sh: LAUNCHER must be 'mpirun', 'msrun' or 'cluster', but got '$launcher'." >&2
-    exit 2
     ;;
 esac
 
@@ -173,7 +200,7 @@ if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
   echo "run.sh: FAILED ($launcher exit status $status). Logs: $log_dir/" >&2
   # The launcher's and scheduler's own account: msrun's "Worker process N exit with exception. Error code: -9",
   # mpirun's "mpirun noticed that process rank N ... exited on signal 9", the scheduler's timed-out nodes.
-  grep -hE "ERROR|noticed that|exited on signal" "$log_dir/$launcher.log" "$log_dir/scheduler.log" 2>/dev/null \
+  grep -hE "ERROR|noticed that|exited on signal" "$log_dir/$launcher.log" "$scheduler_log" 2>/dev/null \
     | sed -E 's/^\[ERROR\] [^ ]+ \[[^]]*\] ?//' | tail -n 6 >&2 || true
   for ((rank = first_rank; rank <= last_rank; rank++)); do
     log="$(rank_log "$rank")"

@@ -2,6 +2,7 @@
 import os
 import re
 import subprocess
+import sys
 import time
 import uuid
 
@@ -39,8 +40,8 @@ LAUNCHERS = {
     # launcher: (rank 1's log, what the launcher says about a rank killed with signal 9). msrun says one of two
     # things, whichever of its checks sees the dead rank first: its process monitor (the exit code) or its
     # scheduler (heartbeats stop; seen in a CI run on 2 cores, where it then declares every node timed out).
-    "msrun": ("worker_1.log", r"Worker process \d+ exit with exception\. Error code: -9"
-                              r"|The node: 1 is timed out"),
+    "msrun": ("1/rank.1/stdout", r"Worker process \d+ exit with exception\. Error code: -9"
+                                 r"|The node: 1 is timed out"),
     "mpirun": ("1/rank.1/stdout", r"process rank 1 with PID \d+ on node \S+ exited on signal 9"),
 }
 
@@ -110,23 +111,36 @@ def _run_sh_env(tmp_path, name, **extra):
      "argument --micro-size: must be at most --batch-size (8) so that every micro-batch holds at least one sample, "
      "but got 16"),
     ({}, ["--check", "--micro-size", "0"], "argument --micro-size: must be a positive integer, but got 0"),
+    (dict(DATA_PATH="/nonexistent"), [], "--data-path / DATA_PATH '/nonexistent' must be a folder with MNIST's four idx "
+                                         "files (train-images-idx3-ubyte, "),
+    (dict(DEVICE_TARGET="CPU"), ["--parallel-mode", "semi_auto_parallel"],
+     "--parallel-mode semi_auto_parallel cannot run on CPU (MindSpore compiles these modes for GPU and Ascend only)"),
+    (dict(DEVICE_TARGET="GPU"), [], "--device-target GPU cannot be used here: "),
+    (dict(LAUNCHER="foo"), [], "LAUNCHER must be 'mpirun', 'msrun' or 'cluster', but got 'foo'."),
 ])
-def test_run_sh_rejects_bad_cluster_settings_before_launching(tmp_path, env, args, message):
+def test_run_sh_rejects_bad_settings_at_once_before_launching(tmp_path, env, args, message):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "earlier_run.txt").write_text("kept")   # what a refused run must not delete
+    started = time.monotonic()
     done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "2", *args], env=_run_sh_env(tmp_path, "logs", **env),
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr
-    assert not (tmp_path / "logs").exists(), "nothing may be launched"
+    assert sorted(os.listdir(logs)) == ["earlier_run.txt"], "nothing may be launched or deleted"
+    assert time.monotonic() - started < 30, "refused only after a launch"
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [None])
 def test_run_sh_check_passes_and_prints_the_table(tmp_path, workers):
-    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), str(workers), "--check", "--check-steps", "2"],
+    # Without a worker count, --check runs the default 8 workers.
+    count = [] if workers is None else [str(workers)]
+    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), *count, "--check", "--check-steps", "2"],
                           env=_run_sh_env(tmp_path, "logs", LAUNCHER="msrun"), cwd=REPO, capture_output=True,
                           text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"^equivalence check: PASS \(tolerance", done.stdout, re.M), done.stdout
-    assert len(re.findall(r"\[rank \d\] equivalence check PASS", done.stdout)) == workers
+    assert len(re.findall(r"\[rank \d\] equivalence check PASS", done.stdout)) == (workers or 8)
     assert "layers.0.weight" in done.stdout
 
 
@@ -161,7 +175,7 @@ def test_run_sh_two_nodes_of_two_workers_train_one_job(tmp_path):
     finals = {}
     for node_rank, ranks in ((0, (0, 1)), (1, (2, 3))):
         for rank in ranks:
-            log = (tmp_path / f"node{node_rank}" / f"worker_{rank}.log").read_text()
+            log = (tmp_path / f"node{node_rank}" / "1" / f"rank.{rank}" / "stdout").read_text()
             assert "mode data_parallel, 4 rank(s)" in log and "loss is" in log, log[-2000:]
             finals[rank] = re.search(r"final loss [0-9.]+ test accuracy ([0-9.]+)", log).group(1)
     assert len(set(finals.values())) == 1, finals   # identical weights on all 4 ranks
@@ -172,7 +186,7 @@ def test_run_sh_killed_node_fails_the_other_node(tmp_path):
     port, marker = free_port(), uuid.uuid4().hex
     nodes = [_start_node(tmp_path, rank, port, marker, "--epochs", "500", "--loss-every", "1") for rank in (0, 1)]
     try:
-        worker_3 = tmp_path / "node1" / "worker_3.log"
+        worker_3 = tmp_path / "node1" / "1" / "rank.3" / "stdout"
         _wait_for(lambda: worker_3.exists() and "loss is" in worker_3.read_text(errors="replace"), 240,
                   "node 1's rank 3 to start training")
         os.killpg(nodes[1].pid, 9)
@@ -190,3 +204,36 @@ def test_run_sh_killed_node_fails_the_other_node(tmp_path):
     assert elapsed < 90, f"node 0 took {elapsed:.0f}s to notice the dead node"
     assert "run.sh: FAILED" in output and "did not finish; last lines of" in output, output[-3000:]
     assert not _processes_with_env(marker, 0) and not _processes_with_env(marker, 1), "node 0's ranks were left running"
+
+
+def _freeze(python):
+    return subprocess.run([python, "-m", "pip", "freeze", "--all"], capture_output=True, text=True, timeout=120,
+                          check=True).stdout
+
+
+def test_run_sh_uses_the_active_python_without_changing_it(tmp_path):
+    before = _freeze(sys.executable)
+    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "1", "--epochs", "1", "--max-steps", "2"],
+                          env=_run_sh_env(tmp_path, "logs", PYTHON=sys.executable), cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "installing" not in done.stdout and not (tmp_path / "venv").exists()
+    assert _freeze(sys.executable) == before, "run.sh changed the active environment"
+    assert f"run.sh: done. Per-rank logs: {tmp_path / 'logs'}/1/rank.0/stdout" in done.stdout, done.stdout
+
+
+def test_run_sh_without_mindspore_installs_into_its_own_venv_only(tmp_path):
+    # A Python without MindSpore: run.sh makes its private venv and installs there, never into that Python. Here the
+    # package index is switched off, so the install fails at once, with a message naming the venv.
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    venv = tmp_path / "venv"
+    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, check=False,
+                          env=_run_sh_env(tmp_path, "logs", PYTHON=str(bare / "bin" / "python"), RUN_SH_VENV=str(venv),
+                                          PIP_NO_INDEX="1", PIP_FIND_LINKS=""))
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"installing them into {venv} (once)" in done.stdout
+    assert f"run.sh: could not install MindSpore and scikit-learn into {venv}" in done.stderr
+    assert (venv / "bin" / "python").exists() and not list(bare.glob("lib/python*/site-packages/mindspore"))
+    assert not (tmp_path / "logs").exists(), "nothing may be launched"

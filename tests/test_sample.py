@@ -73,3 +73,9 @@ def test_sample_check_passes_and_batch_norm_control_fails(tmp_path):
     status, output = _sample(tmp_path, "--check", "--check-steps", "2", "--check-network", "batchnorm")
     assert status == 1 and "[rank 0] equivalence check FAIL" in output, output[-3000:]
     assert "likely cause: batch normalisation (_backbone.layers.1 (BatchNorm1d))" in output
+
+
+def test_sample_header_describes_an_uneven_split(tmp_path):
+    status, output = _sample(tmp_path, "--epochs", "1", "--max-steps", "2", "--micro-size", "7")
+    assert status == 0, output[-3000:]
+    assert "of batch 32 = 7 micro-batches of 5 or 4 rows (4 x 5 + 3 x 4)" in output, output[-3000:]

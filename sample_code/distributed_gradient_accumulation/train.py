@@ -23,7 +23,7 @@ from mindspore.train import LossMonitor, Model
 from ms_gradaccum import GradAccumulationCell, check_equivalence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from builtin_digits import ensure_digits_mnist  # noqa: E402  (sits next to this script)
+from builtin_digits import FILES, ensure_digits_mnist  # noqa: E402  (sits next to this script)
 
 PARALLEL_MODES = {
     "stand_alone": ms.ParallelMode.STAND_ALONE,
@@ -64,6 +64,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"micro-batch holds at least one sample, but got {args.micro_size}")
     if args.loss_every is not None and args.loss_every < 1:
         parser.error(f"argument --loss-every: must be a positive integer, but got {args.loss_every}")
+    if args.data_path:
+        missing = [name for pair in FILES.values() for name in pair
+                   if not os.path.isfile(os.path.join(args.data_path, name))]
+        if missing:
+            parser.error(f"--data-path / DATA_PATH {args.data_path!r} must be a folder with MNIST's four idx files "
+                         f"({', '.join(name for pair in FILES.values() for name in pair)}), but "
+                         f"{'it does not exist' if not os.path.isdir(args.data_path) else 'it lacks ' + ', '.join(missing)}"
+                         f". Unset DATA_PATH to use the built-in digits.")
+    mode = resolve_parallel_mode(args.parallel_mode, args.device_target, launched_ranks())
+    if args.device_target == "CPU" and mode in ("semi_auto_parallel", "auto_parallel"):
+        parser.error(f"--parallel-mode {mode} cannot run on CPU (MindSpore compiles these modes for GPU and Ascend "
+                     f"only); use data_parallel (the default for several CPU workers), or DEVICE_TARGET=GPU|Ascend")
+    if args.validate_only:
+        try:   # a GPU/Ascend build's libraries missing, or a CPU-only MindSpore: say so before any rank starts
+            ms.set_device(args.device_target) if hasattr(ms, "set_device") else ms.set_context(
+                device_target=args.device_target)
+        except (RuntimeError, ValueError) as error:
+            parser.error(f"--device-target {args.device_target} cannot be used here: {str(error).splitlines()[0]}")
     return args
 
 
@@ -78,6 +96,16 @@ def resolve_parallel_mode(requested: str, device_target: str, ranks: int) -> str
     if ranks == 1:
         return "stand_alone"
     return "data_parallel" if device_target == "CPU" else "semi_auto_parallel"
+
+
+def split_description(batch: int, micro_size: int) -> str:
+    """How GradAccumulationCell splits a batch: "4 micro-batches of 8", or "7 micro-batches of 5 or 4 rows
+    (4 x 5 + 3 x 4)" when they cannot be equal (sizes differ by at most one row)."""
+    rows, extra = divmod(batch, micro_size)
+    if extra == 0:
+        return f"{micro_size} micro-batches of {rows}"
+    return (f"{micro_size} micro-batches of {rows + 1} or {rows} rows ({extra} x {rows + 1} + "
+            f"{micro_size - extra} x {rows})")
 
 
 def setup_parallel(mode: str) -> tuple:
@@ -156,7 +184,7 @@ def main(argv=None) -> int:
     if args.validate_only:
         return 0
     ms.set_context(mode=ms.GRAPH_MODE, device_target=args.device_target)
-    ms.set_seed(1)
+    ms.set_seed(1)   # the same initial weights on every rank (data-parallel ranks must start as one model)
     mode = resolve_parallel_mode(args.parallel_mode, args.device_target, launched_ranks())
     rank, group = setup_parallel(mode)
     data_path = args.data_path or ensure_digits_mnist()
@@ -172,8 +200,7 @@ def main(argv=None) -> int:
     model = Model(GradAccumulationCell(nn.WithLossCell(net, loss_fn), args.micro_size), optimizer=optimizer)
     last = _LastLoss()
     print(f"[rank {rank}] mode {mode}, {group} rank(s), data {data_path}, {train_set.get_dataset_size()} steps "
-          f"per epoch of batch {args.batch_size} = {args.micro_size} micro-batches of "
-          f"{args.batch_size // max(args.micro_size, 1)}", flush=True)
+          f"per epoch of batch {args.batch_size} = {split_description(args.batch_size, args.micro_size)}", flush=True)
     # Every run logs loss lines, however few steps an epoch has (8 ranks on the built-in data: 5 per epoch).
     loss_every = args.loss_every or max(1, min(100, train_set.get_dataset_size()))
     model.train(args.epochs, train_set, callbacks=[LossMonitor(loss_every), last], dataset_sink_mode=False)
