@@ -3,9 +3,11 @@
 Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
   FRAMEWORK  mindspore | torch
   MODEL      mlp (activation-heavy) | conv | wide (parameter-heavy: four 1536-wide Dense layers, 27 MB)
+             | wide1024 (the same with 1024-wide layers, 12 MB: the tests' size)
   KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
              | mindspore (nn.GradAccumulationCell inside nn.TrainOneStepCell) | steps
              (AccumulatingTrainOneStepCell, MICRO_SIZE calls of BATCH / MICRO_SIZE per optimizer step)
+             | accumulate_steps (AccumulatingTrainOneStepCell(loss_net, opt, 1, micro_size=MICRO_SIZE))
              | tokens (GradAccumulationCell, MICRO_SIZE, on a network returning (loss_sum, count))
              | plain_o2 | accumulate_o2 (the same in mixed precision: amp O2 float16 compute, float32
              weights, loss scale 2**10 as Model's FixedLossScaleManager applies it)
@@ -15,8 +17,11 @@ included) and the median of STEPS steady steps. Memory: peak RSS, and its growth
 after the framework's import and the data's creation (so it holds compilation, weights, activations); MindSpore's pool peak is printed by MindSpore itself at exit.
 It does not hold Parameters, so the bytes of every Parameter the train cell holds (weights, optimizer
 state, accumulation buffers) are reported beside it (param_mb), and the weights' own bytes (weight_mb).
+With DATA_PARALLEL=1 (started by msrun), each rank trains data parallel (gradients averaged, every rank on the same
+batch). Environment variables reach MindSpore as usual (MS_DEV_RUNTIME_CONF, MS_DEV_SAVE_GRAPHS, ...).
 """
 import json
+import os
 import resource
 import sys
 import time
@@ -24,7 +29,8 @@ import time
 import numpy as np
 
 MLP_IN, CLASSES = 64, 10
-WIDE = 1536
+# (input width, layer width) of the Dense models
+DENSE = {"mlp": (MLP_IN, 512), "wide": (1536, 1536), "wide1024": (1024, 1024)}
 MIXED_PRECISION_SCALE = 2.0 ** 10
 
 
@@ -66,7 +72,7 @@ def _rss_mb() -> float:
 
 def _data(model: str, batch: int):
     rng = np.random.RandomState(0)
-    shape = {"mlp": (batch, MLP_IN), "wide": (batch, WIDE)}.get(model, (batch, 1, 28, 28))
+    shape = (batch, DENSE[model][0]) if model in DENSE else (batch, 1, 28, 28)
     return rng.randn(*shape).astype(np.float32), rng.randint(0, CLASSES, batch).astype(np.int32)
 
 
@@ -88,9 +94,13 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
 
     ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_seed(0)
-    if model in ("mlp", "wide"):
-        inputs, width = (MLP_IN, 512) if model == "mlp" else (WIDE, WIDE)
+    if os.environ.get("DATA_PARALLEL") == "1":
+        from mindspore.communication import init  # pylint: disable=import-outside-toplevel
+        init()
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    ms.set_seed(0)   # the same initial weights on every rank
+    if model in DENSE:
+        inputs, width = DENSE[model]
         net = nn.SequentialCell(nn.Dense(inputs, width), nn.ReLU(), nn.Dense(width, width), nn.ReLU(),
                                 nn.Dense(width, width), nn.ReLU(), nn.Dense(width, CLASSES))
     else:
@@ -108,6 +118,10 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         kind, loss_net = "accumulate", _SumAndCount(net)
     optimizer = nn.SGD(net.trainable_params(), 0.01, loss_scale=sens or 1.0)
     weight_bytes = sum(p.size * p.itemsize for p in net.trainable_params())
+    if kind == "accumulate_steps":
+        cell = AccumulatingTrainOneStepCell(loss_net, optimizer, 1, micro_size=micro_size)
+        tx, ty = Tensor(x), Tensor(y)
+        return lambda: cell(tx, ty).asnumpy(), _parameter_bytes(cell), weight_bytes
     if kind == "steps":
         cell = AccumulatingTrainOneStepCell(loss_net, optimizer, micro_size)
         rows = len(x) // micro_size
@@ -133,8 +147,8 @@ def torch_step(model: str, kind: str, micro_size: int, x, y):
     from torch import nn
 
     torch.manual_seed(0)
-    if model in ("mlp", "wide"):
-        inputs, width = (MLP_IN, 512) if model == "mlp" else (WIDE, WIDE)
+    if model in DENSE:
+        inputs, width = DENSE[model]
         net = nn.Sequential(nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                             nn.Linear(width, width), nn.ReLU(), nn.Linear(width, CLASSES))
     else:

@@ -4,7 +4,9 @@ import sys
 import mindspore as ms
 import pytest
 
+# Tests import helpers (tests/) and tools (tests/tools: launchers, workers) by module name.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
 
 # MindSpore's cluster (msrun, and run.sh's ranks) retries messages and sends heartbeats every 3-5 s by default
 # (MS_RETRY_INTERVAL_LOWER/UPPER, documented, in whole seconds), so every local multi-process test waited

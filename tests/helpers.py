@@ -3,9 +3,14 @@ from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 import mindspore as ms
-from mindspore import nn, Tensor
+from mindspore import nn, ops, Tensor
 
 Params = Dict[str, np.ndarray]
+
+
+def ce() -> nn.Cell:
+    """The tests' mean loss: sparse softmax cross-entropy."""
+    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
 def make_mlp(seed: int = 0, in_dim: int = 16, hidden: int = 32, classes: int = 4) -> nn.Cell:
@@ -174,3 +179,67 @@ def token_batches(steps: int, valid_per_sample, seed: int = 3) -> List[tuple]:
         mask[i, :valid] = 1.0
     return [(rng.randn(batch, TOKENS, FEATURES).astype(np.float32),
              rng.randint(0, 4, (batch, TOKENS)).astype(np.int32), mask.copy()) for _ in range(steps)]
+
+
+# --- mixed precision -------------------------------------------------------------------------------------------
+
+SCALE = 2.0 ** 16   # a loss scale that keeps float16 gradients of SmallLoss from underflowing
+
+
+class SmallLoss(nn.Cell):
+    """Cross-entropy (in float32, as amp's loss wrapper computes it) times 1e-6: float16 gradients underflow."""
+
+    def __init__(self):
+        super().__init__()
+        self.cross_entropy = ce()
+
+    def construct(self, logits, label):
+        return self.cross_entropy(ops.cast(logits, ms.float32), label) * 1e-6
+
+
+def low_precision_mlp(dtype=ms.float16) -> nn.Cell:
+    """helpers.make_mlp computing in `dtype` (float32 weights)."""
+    return make_mlp().to_float(dtype)
+
+
+def moved(after: Params, before: Params) -> int:
+    """How many weights changed."""
+    return sum(int((after[n] != before[n]).sum()) for n in before)
+
+
+def _update_agreement(actual: Params, expected: Params, initial: Params) -> tuple:
+    """(cosine, norm ratio) of the parameter updates, all parameters flattened together."""
+    a = np.concatenate([(actual[n] - initial[n]).ravel() for n in initial]).astype(np.float64)
+    e = np.concatenate([(expected[n] - initial[n]).ravel() for n in initial]).astype(np.float64)
+    return float(a @ e / np.linalg.norm(a) / np.linalg.norm(e)), float(np.linalg.norm(a) / np.linalg.norm(e))
+
+
+def assert_same_update(actual: Params, expected: Params, initial: Params) -> None:
+    """Float16 training agrees with the full batch up to float16 rounding: nearly every weight moved in both,
+    update directions within cosine 0.999 and norms within 1%."""
+    total = sum(v.size for v in initial.values())
+    assert moved(expected, initial) >= 0.99 * total  # the full batch moves (nearly) every weight
+    assert moved(actual, initial) >= 0.98 * total
+    cosine, ratio = _update_agreement(actual, expected, initial)
+    assert cosine > 0.999 and abs(ratio - 1) < 0.01, (cosine, ratio)
+
+
+def small_loss_train_cell(net: nn.Cell, network_of: Callable = lambda loss_net: loss_net, accumulate_steps: int = 1,
+                          optimizer: str = "sgd", **kwargs) -> nn.Cell:
+    """AccumulatingTrainOneStepCell on SmallLoss (SGD with a learning rate that makes its tiny gradients visible)."""
+    from ms_gradaccum import AccumulatingTrainOneStepCell  # pylint: disable=import-outside-toplevel
+    params = net.trainable_params()
+    opt = nn.SGD(params, 1e4) if optimizer == "sgd" else make_optimizer(optimizer, params)
+    return AccumulatingTrainOneStepCell(network_of(nn.WithLossCell(net, SmallLoss())), opt, accumulate_steps, **kwargs)
+
+
+class ClippedStep(nn.TrainOneStepCell):
+    """The clipping reference: full-batch gradient, ops.clip_by_global_norm once, then the optimizer."""
+
+    def __init__(self, network, optimizer, max_norm):
+        super().__init__(network, optimizer)
+        self.max_norm = max_norm
+
+    def construct(self, *inputs):
+        loss, grads = ms.value_and_grad(self.network, None, self.weights)(*inputs)
+        return ops.depend(loss, self.optimizer(ops.clip_by_global_norm(grads, self.max_norm)))

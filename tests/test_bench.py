@@ -5,11 +5,11 @@ import os
 import subprocess
 import sys
 
-from probe import REPO
+from launch import REPO, repo_env
 
 
 def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    env = repo_env()
     done = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "run.py"), "--quick", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -6,7 +6,7 @@ import pytest
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import GradAccumulationCell
-from helpers import (assert_params_close, assert_params_equal, assert_params_moved, classification_batches,
+from helpers import (assert_params_close, assert_params_equal, assert_params_moved, ce, classification_batches,
                      make_convnet, make_mlp, make_optimizer, max_abs_diff, params_of, reference_run, train_steps)
 
 STEPS = 3
@@ -16,9 +16,6 @@ BATCH = 32
 TOLERANCE = {"sgd": dict(rtol=1e-5, atol=1e-6), "momentum": dict(rtol=1e-5, atol=1e-6),
              "adam": dict(rtol=1e-5, atol=1e-5)}
 
-
-def _loss_fn():
-    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
 def accumulated_run(make_net, loss_fn, optimizer, batches, micro_size, wrap=lambda cell: cell):
@@ -33,8 +30,8 @@ def accumulated_run(make_net, loss_fn, optimizer, batches, micro_size, wrap=lamb
 @pytest.mark.parametrize("micro_size", [1, 2, 4, 8])
 def test_cell_matches_full_batch_reference(optimizer, micro_size):
     batches = classification_batches(STEPS, BATCH)
-    expected, expected_losses, initial = reference_run(make_mlp, _loss_fn(), optimizer, batches)
-    actual, losses = accumulated_run(make_mlp, _loss_fn(), optimizer, batches, micro_size)
+    expected, expected_losses, initial = reference_run(make_mlp, ce(), optimizer, batches)
+    actual, losses = accumulated_run(make_mlp, ce(), optimizer, batches, micro_size)
 
     assert_params_moved(expected, initial)
     if micro_size == 1:
@@ -50,10 +47,10 @@ def test_cell_accumulator_carries_nothing_between_steps(mode):
     # The gradient hand-over reads the accu_grads buffers in the wrapper's backward pass: it must come after
     # this step's micro-batches have rewritten them. NaN left in them before every step would show otherwise.
     batches = classification_batches(STEPS, BATCH)
-    expected, _, _ = reference_run(make_mlp, _loss_fn(), "momentum", batches)
+    expected, _, _ = reference_run(make_mlp, ce(), "momentum", batches)
     ms.set_context(mode=mode)
     net = make_mlp()
-    cell = GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), 4)
+    cell = GradAccumulationCell(nn.WithLossCell(net, ce()), 4)
     step = nn.TrainOneStepCell(cell, make_optimizer("momentum", net.trainable_params()))
     assert [b.name for b in cell.accu_grads] == [f"accu_grads.{w.name}" for w in net.trainable_params()]
     for x, y in batches:
@@ -79,8 +76,8 @@ class _Scaled(nn.Cell):
 def test_cell_without_mean_scaling_fails_reference(optimizer):
     # Negative control: summing the micro-batch gradients without dividing by K must be detected.
     batches = classification_batches(STEPS, BATCH)
-    expected, _, _ = reference_run(make_mlp, _loss_fn(), optimizer, batches)
-    wrong, _ = accumulated_run(make_mlp, _loss_fn(), optimizer, batches, 4, wrap=lambda c: _Scaled(c, 4.0))
+    expected, _, _ = reference_run(make_mlp, ce(), optimizer, batches)
+    wrong, _ = accumulated_run(make_mlp, ce(), optimizer, batches, 4, wrap=lambda c: _Scaled(c, 4.0))
     with pytest.raises(AssertionError, match="differs from the reference"):
         assert_params_close(wrong, expected, **TOLERANCE[optimizer])
 
@@ -89,9 +86,9 @@ def test_cell_without_mean_scaling_fails_reference(optimizer):
 def test_cell_single_micro_batch_fails_reference(optimizer):
     # Negative control: training on the first micro-batch only (what a broken loop would do) is detected.
     batches = classification_batches(STEPS, BATCH)
-    expected, _, _ = reference_run(make_mlp, _loss_fn(), optimizer, batches)
+    expected, _, _ = reference_run(make_mlp, ce(), optimizer, batches)
     first_quarter = [(x[:BATCH // 4], y[:BATCH // 4]) for x, y in batches]
-    wrong, _ = accumulated_run(make_mlp, _loss_fn(), optimizer, first_quarter, 1)
+    wrong, _ = accumulated_run(make_mlp, ce(), optimizer, first_quarter, 1)
     with pytest.raises(AssertionError, match="differs from the reference"):
         assert_params_close(wrong, expected, **TOLERANCE[optimizer])
     assert max_abs_diff(wrong, expected) > 100 * TOLERANCE[optimizer]["atol"]
@@ -132,8 +129,8 @@ def test_cell_multi_input_loss_matches_reference():
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
 def test_cell_convnet_matches_reference(optimizer):
     batches = classification_batches(STEPS, 16, in_shape=(1, 8, 8))
-    expected, expected_losses, initial = reference_run(make_convnet, _loss_fn(), optimizer, batches)
-    actual, losses = accumulated_run(make_convnet, _loss_fn(), optimizer, batches, 4)
+    expected, expected_losses, initial = reference_run(make_convnet, ce(), optimizer, batches)
+    actual, losses = accumulated_run(make_convnet, ce(), optimizer, batches, 4)
     assert_params_moved(expected, initial)
     assert_params_close(actual, expected, **TOLERANCE[optimizer])
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
@@ -142,8 +139,8 @@ def test_cell_convnet_matches_reference(optimizer):
 def test_cell_pynative_matches_reference():
     ms.set_context(mode=ms.PYNATIVE_MODE)
     batches = classification_batches(STEPS, BATCH)
-    expected, expected_losses, initial = reference_run(make_mlp, _loss_fn(), "momentum", batches)
-    actual, losses = accumulated_run(make_mlp, _loss_fn(), "momentum", batches, 4)
+    expected, expected_losses, initial = reference_run(make_mlp, ce(), "momentum", batches)
+    actual, losses = accumulated_run(make_mlp, ce(), "momentum", batches, 4)
     assert_params_moved(expected, initial)
     assert_params_close(actual, expected, **TOLERANCE["momentum"])
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
@@ -152,9 +149,9 @@ def test_cell_pynative_matches_reference():
 def test_cell_output_is_mean_micro_batch_loss_and_gradient_is_mean_gradient():
     # The cell's own contract, without an optimizer: value = full-batch loss, d/dw = full-batch gradient.
     x, y = classification_batches(1, BATCH)[0]
-    ref_loss_net = nn.WithLossCell(make_mlp(), _loss_fn())
+    ref_loss_net = nn.WithLossCell(make_mlp(), ce())
     ref_loss, ref_grads = ms.value_and_grad(ref_loss_net, None, ref_loss_net.trainable_params())(Tensor(x), Tensor(y))
-    cell = GradAccumulationCell(nn.WithLossCell(make_mlp(), _loss_fn()), 8)
+    cell = GradAccumulationCell(nn.WithLossCell(make_mlp(), ce()), 8)
     loss, grads = ms.value_and_grad(cell, None, cell.trainable_params())(Tensor(x), Tensor(y))
     assert loss.shape == () and loss.dtype == ms.float32
     np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy(), rtol=1e-6)

@@ -12,13 +12,11 @@ from mindspore import nn, ops, Tensor
 
 from dp_worker import MAX_GRAD_NORM
 
-from helpers import (TokenLoss, assert_params_close, assert_params_moved, make_mlp, make_optimizer, make_token_net,
-                     max_abs_diff, train_steps, params_of)
-from launch import msrun, side_by_side
-from probe import REPO
-from test_loss_scale import _ClippedStep, _ce
+from helpers import (assert_params_close, assert_params_moved, ce, ClippedStep, make_mlp, make_optimizer,
+                     make_token_net, max_abs_diff, params_of, TokenLoss, train_steps)
+from launch import msrun, repo_env, side_by_side
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "dp_worker.py")
 RANKS = 2
 
 
@@ -60,7 +58,7 @@ def _single_process_reference(ranks, prefix, optimizer):
                        np.concatenate([r[f"{prefix}_y"][step] for r in ranks]))
                       for step in range(len(ranks[0][f"{prefix}_x"]))]
     net = make_mlp()
-    loss_net = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+    loss_net = nn.WithLossCell(net, ce())
     losses = train_steps(nn.TrainOneStepCell(loss_net, make_optimizer(optimizer, net.trainable_params())),
                          global_batches)
     return params_of(net), losses
@@ -92,7 +90,7 @@ def test_data_parallel_accumulating_steps_match_single_process_on_global_window(
                        np.concatenate([ys[w * 4:(w + 1) * 4].reshape(-1) for _, ys in per_rank]))
                       for w in range(windows)]
     net = make_mlp()
-    loss_net = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+    loss_net = nn.WithLossCell(net, ce())
     train_steps(nn.TrainOneStepCell(loss_net, make_optimizer("momentum", net.trainable_params())), global_batches)
     actual = _params(data_parallel[0], "steps_param")
     assert_params_moved(actual, _params(data_parallel[0], "initial"))
@@ -125,7 +123,7 @@ def test_data_parallel_clipping_after_all_reduce_matches_single_process(data_par
     global_batches = [(np.concatenate([r["loop_x"][s] for r in data_parallel]),
                        np.concatenate([r["loop_y"][s] for r in data_parallel])) for s in range(steps)]
     net = make_mlp()
-    ref = _ClippedStep(nn.WithLossCell(net, _ce()), make_optimizer("sgd", net.trainable_params()), MAX_GRAD_NORM)
+    ref = ClippedStep(nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()), MAX_GRAD_NORM)
     for x, y in global_batches:
         ref(Tensor(x), Tensor(y))
     rank0, rank1 = (_params(r, "clip_param") for r in data_parallel)
@@ -135,7 +133,7 @@ def test_data_parallel_clipping_after_all_reduce_matches_single_process(data_par
 
     # Negative control: clipping each rank's gradient before the reduction is a different update.
     control_net = make_mlp()
-    control = _ClipEachRank(nn.WithLossCell(control_net, _ce()), make_optimizer("sgd", control_net.trainable_params()),
+    control = _ClipEachRank(nn.WithLossCell(control_net, ce()), make_optimizer("sgd", control_net.trainable_params()),
                             MAX_GRAD_NORM)
     for s in range(steps):
         control(*(Tensor(r[f"loop_{v}"][s]) for r in data_parallel for v in "xy"))
@@ -256,8 +254,7 @@ def test_data_parallel_without_init_is_a_clear_error(tmp_path):
     # In a fresh process (MindSpore segfaults at the first step without init(); here the cell refuses first).
     done = subprocess.run([sys.executable, WORKER, str(tmp_path), "no_init", "data_parallel"], capture_output=True,
                           text=True, timeout=300, check=False,
-                          env=dict(os.environ, GLOG_v="3", PYTHONPATH=os.pathsep.join(
-                              filter(None, [REPO, os.environ.get("PYTHONPATH")]))))
+                          env=repo_env(GLOG_v="3"))
     assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
     assert ("RuntimeError: For 'GradAccumulationCell', the parallel mode is data_parallel but "
             "mindspore.communication.init() has not been called") in done.stderr, done.stderr[-2000:]

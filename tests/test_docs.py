@@ -1,4 +1,4 @@
-"""The examples users copy are executed: the class docstring (doctest) and the README's API example."""
+"""The examples users copy are executed: the docstrings (doctest) and every README example, by name."""
 import doctest
 import os
 import re
@@ -10,7 +10,9 @@ import pytest
 import ms_gradaccum._cell
 import ms_gradaccum._scheduler
 import ms_gradaccum._steps
-from probe import REPO
+from launch import REPO, msrun, repo_env
+
+EXAMPLES = ("one_device", "across_steps", "mixed_precision", "token_loss", "data_parallel", "semi_auto", "check")
 
 
 @pytest.mark.parametrize("module", [ms_gradaccum._cell, ms_gradaccum._steps, ms_gradaccum._scheduler])
@@ -19,44 +21,64 @@ def test_docs_docstring_examples_run(module):
     assert result.attempted >= 2 and result.failed == 0, result
 
 
-def _readme_examples():
+def _readme_examples() -> dict:
+    """``{name: source}`` of every ```python block of the README; each must start with ``# example: <name>``."""
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
         blocks = re.findall(r"```python\n(.*?)```", handle.read(), re.S)
-    return [block for block in blocks if "import mindspore as ms" in block]
+    examples = {}
+    for block in blocks:
+        named = re.match(r"# example: (\w+)\n", block)
+        assert named, f"a README python block without '# example: <name>':\n{block[:200]}"
+        examples[named.group(1)] = block
+    return examples
 
 
-def _run_example(tmp_path, source):
-    script = tmp_path / "readme_example.py"  # a real file: MindSpore's graph parser reads the source
-    script.write_text(source, encoding="utf-8")
-    env = dict(os.environ, GLOG_v="3", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+def test_docs_readme_examples_are_all_named_and_tested():
+    assert sorted(_readme_examples()) == sorted(EXAMPLES)
+
+
+def _run(tmp_path, name):
+    script = tmp_path / f"{name}.py"   # a real file: MindSpore's graph parser reads the source
+    script.write_text(_readme_examples()[name], encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], env=repo_env(GLOG_v="3"), capture_output=True, text=True,
+                          timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
 
-def test_docs_readme_has_four_self_contained_examples():
-    assert len(_readme_examples()) == 4
+def test_docs_readme_one_device_example_runs(tmp_path):
+    losses = [float(v) for v in re.findall(r"^\d+ ([0-9.]+)$", _run(tmp_path, "one_device"), re.M)]
+    assert len(losses) == 3 and losses[2] < losses[0], losses
 
 
-def test_docs_readme_micro_batch_example_runs(tmp_path):
-    output = _run_example(tmp_path, _readme_examples()[0])
-    losses = [float(v) for v in re.findall(r"^\d+ ([0-9.]+)$", output, re.M)]
-    assert len(losses) == 3 and losses[2] < losses[0], output
-
-
-def test_docs_readme_accumulating_steps_example_runs(tmp_path):
-    output = _run_example(tmp_path, _readme_examples()[3])
+def test_docs_readme_across_steps_example_runs(tmp_path):
+    output = _run(tmp_path, "across_steps")
     assert "optimizer steps: 11" in output, output
-    assert len(re.findall(r"loss is ", output)) == 6, output  # LossMonitor(5) over 3 epochs of 10 batches
-
-
-def test_docs_readme_token_loss_example_runs(tmp_path):
-    output = _run_example(tmp_path, _readme_examples()[2])
-    assert re.search(r"^token mean loss: [0-9.]+$", output, re.M), output
+    assert len(re.findall(r"loss is ", output)) == 6, output   # LossMonitor(5) over 3 epochs of 10 batches
 
 
 def test_docs_readme_mixed_precision_example_runs(tmp_path):
-    output = _run_example(tmp_path, _readme_examples()[1])
+    output = _run(tmp_path, "mixed_precision")
     assert len(re.findall(r"loss is ", output)) == 4, output   # LossMonitor(2) over 2 epochs of 4 batches
     assert "loss scale: 4096.0" in output, output
+
+
+def test_docs_readme_token_loss_example_runs(tmp_path):
+    assert re.search(r"^token mean loss: [0-9.]+$", _run(tmp_path, "token_loss"), re.M)
+
+
+def test_docs_readme_semi_auto_example_runs_stand_alone_on_one_process(tmp_path):
+    assert len(re.findall(r"loss is ", _run(tmp_path, "semi_auto"))) == 2
+
+
+def test_docs_readme_check_example_runs(tmp_path):
+    assert "equivalence check: PASS" in _run(tmp_path, "check")
+
+
+def test_docs_readme_data_parallel_example_runs_on_two_ranks(tmp_path):
+    script = tmp_path / "data_parallel.py"
+    script.write_text(_readme_examples()["data_parallel"], encoding="utf-8")
+    msrun(str(script), [], 2, str(tmp_path / "logs"))
+    for rank in range(2):
+        log = (tmp_path / "logs" / f"worker_{rank}.log").read_text(encoding="utf-8", errors="replace")
+        assert len(re.findall(r"loss is ", log)) == 2, log[-2000:]   # LossMonitor(4): 4 steps of 2 epochs per rank

@@ -6,11 +6,11 @@ validated training graph must not depend on micro_size. MindSpore's own Python-u
 import glob
 import os
 
-from probe import run_train_probe
+from launch import run_worker
 
 
 def matmul_count(kind: str, micro_size: int, directory: str) -> int:
-    run_train_probe(kind, micro_size, 64, MS_DEV_SAVE_GRAPHS="1", MS_DEV_SAVE_GRAPHS_PATH=directory)
+    run_worker("mlp", kind, micro_size, 64, steps=1, MS_DEV_SAVE_GRAPHS="1", MS_DEV_SAVE_GRAPHS_PATH=directory)
     validated = glob.glob(os.path.join(directory, "**", "*_validate_*.ir"), recursive=True)
     assert len(validated) == 1, f"expected one validated graph IR under {directory}, found {validated}"
     with open(validated[0], encoding="utf-8") as handle:

@@ -3,7 +3,6 @@
 CI runs this module on the lowest and the highest supported MindSpore, so each version difference handled in
 _internals has a test that fails if the handling is wrong for the version at hand.
 """
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 from mindspore import nn, Parameter, Tensor
 
 from ms_gradaccum import _buffers, _internals
-from probe import REPO
+from launch import repo_env
 
 
 @pytest.mark.parametrize("text, parsed", [("2.10.0", (2, 10, 0)), ("2.7.0", (2, 7, 0)), ("2.9.0rc1", (2, 9, 0)),
@@ -36,8 +35,7 @@ def test_internals_supported_range(text, supported):
 def test_internals_import_refuses_an_unsupported_mindspore():
     code = "import mindspore; mindspore.__version__ = '2.6.0'; import ms_gradaccum"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get(
-                              "PYTHONPATH")]))))
+                          env=repo_env())
     assert done.returncode == 1
     assert ("ImportError: ms_gradaccum supports mindspore>=2.7.0,<2.11, but MindSpore 2.6.0 is installed" in
             done.stderr), done.stderr[-2000:]

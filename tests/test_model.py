@@ -10,8 +10,8 @@ from mindspore.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoin
 from mindspore.train.amp import _is_grad_accumulation
 
 from ms_gradaccum import GradAccumulationCell
-from helpers import (RecordLoss, assert_params_close, assert_params_moved, classification_dataset, make_mlp,
-                     make_optimizer, params_of)
+from helpers import (assert_params_close, assert_params_moved, ce, classification_dataset, make_mlp, make_optimizer,
+                     params_of, RecordLoss)
 
 BATCH = 32
 STEPS = 4
@@ -20,9 +20,6 @@ STEPS = 4
 def _dataset(steps=STEPS, batch=BATCH):
     return classification_dataset(steps, batch)
 
-
-def _loss_fn():
-    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
 def _train_with_model(loss_network, net, optimizer="momentum", sink=False, callbacks=()):
@@ -34,10 +31,10 @@ def _train_with_model(loss_network, net, optimizer="momentum", sink=False, callb
 
 def test_model_routes_cell_into_plain_train_one_step_cell():
     # mindspore.train.amp routes cells *named* GradAccumulationCell into _TrainGradAccuStepCell.
-    cell = GradAccumulationCell(nn.WithLossCell(make_mlp(), _loss_fn()), 4)
+    cell = GradAccumulationCell(nn.WithLossCell(make_mlp(), ce()), 4)
     assert type(cell).__name__ == "GradAccumulationCell"
     assert not _is_grad_accumulation(cell)
-    assert _is_grad_accumulation(nn.GradAccumulationCell(nn.WithLossCell(make_mlp(), _loss_fn()), 4))
+    assert _is_grad_accumulation(nn.GradAccumulationCell(nn.WithLossCell(make_mlp(), ce()), 4))
 
     model = Model(cell, optimizer=make_optimizer("sgd", cell.trainable_params()))
     assert type(model._train_network) is nn.TrainOneStepCell  # pylint: disable=protected-access
@@ -46,17 +43,17 @@ def test_model_routes_cell_into_plain_train_one_step_cell():
 def test_model_subclass_named_like_mindspore_cell_still_trains():
     class GradAccumulation(GradAccumulationCell):  # the other routed name
         pass
-    assert not _is_grad_accumulation(GradAccumulation(nn.WithLossCell(make_mlp(), _loss_fn()), 2))
+    assert not _is_grad_accumulation(GradAccumulation(nn.WithLossCell(make_mlp(), ce()), 2))
 
 
 @pytest.mark.parametrize("sink", [False, True])
 def test_model_train_matches_reference_and_loss_monitor_prints_full_batch_loss(sink, capsys):
     ref_net = make_mlp()
     initial = params_of(ref_net)
-    _, expected_losses = _train_with_model(nn.WithLossCell(ref_net, _loss_fn()), ref_net, sink=sink)
+    _, expected_losses = _train_with_model(nn.WithLossCell(ref_net, ce()), ref_net, sink=sink)
 
     net = make_mlp()
-    cell = GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), 4)
+    cell = GradAccumulationCell(nn.WithLossCell(net, ce()), 4)
     capsys.readouterr()
     _, losses = _train_with_model(cell, net, sink=sink, callbacks=[LossMonitor(1)])
     printed = [float(v) for v in re.findall(r"loss is ([-0-9.e]+)", capsys.readouterr().out)]
@@ -72,19 +69,19 @@ def test_model_mindspore_own_cell_trains_nothing_outside_parallel():
     # The trap this package exists to avoid, kept as a control: if MindSpore ever fixes it, this tells us.
     net = make_mlp()
     initial = params_of(net)
-    mindspore_cell = nn.GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), 4)
+    mindspore_cell = nn.GradAccumulationCell(nn.WithLossCell(net, ce()), 4)
     _, losses = _train_with_model(mindspore_cell, net, optimizer="sgd")
     for name, value in params_of(net).items():
         np.testing.assert_array_equal(value, initial[name], err_msg=name)
     ref_net = make_mlp()
-    _, full_batch_losses = _train_with_model(nn.WithLossCell(ref_net, _loss_fn()), ref_net, optimizer="sgd")
+    _, full_batch_losses = _train_with_model(nn.WithLossCell(ref_net, ce()), ref_net, optimizer="sgd")
     # It reports the SUM of the 4 micro-batch losses of untrained weights.
     assert losses[0] == pytest.approx(4 * full_batch_losses[0], rel=1e-4)
 
 
 def test_model_checkpoint_loads_into_bare_network_and_resumes_exactly(tmp_path):
     net = make_mlp()
-    cell = GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), 4)
+    cell = GradAccumulationCell(nn.WithLossCell(net, ce()), 4)
     checkpoint = ModelCheckpoint(prefix="mlp", directory=str(tmp_path),
                                  config=CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=10))
     model, _ = _train_with_model(cell, net, optimizer="adam", callbacks=[checkpoint])
@@ -114,7 +111,7 @@ def test_model_checkpoint_loads_into_bare_network_and_resumes_exactly(tmp_path):
     for keep_accumulator in (True, False):
         middle = ms.load_checkpoint(str(tmp_path / files[0]))   # afresh: loading shares its Parameters' data
         resumed = make_mlp(seed=123)
-        resumed_cell = GradAccumulationCell(nn.WithLossCell(resumed, _loss_fn()), 4)
+        resumed_cell = GradAccumulationCell(nn.WithLossCell(resumed, ce()), 4)
         optimizer = make_optimizer("adam", resumed.trainable_params())
         state = {k: v for k, v in middle.items() if keep_accumulator or not k.startswith("accu_grads.")}
         ms.load_param_into_net(resumed_cell, state)

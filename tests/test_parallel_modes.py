@@ -10,7 +10,7 @@ from mindspore.train.amp import _is_grad_accumulation
 from mindspore.parallel.auto_parallel import AutoParallel
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from helpers import (assert_params_close, assert_params_moved, classification_batches, make_mlp, make_optimizer,
+from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
                      params_of, reference_run, train_steps)
 
 K = 4
@@ -22,12 +22,9 @@ def reset_parallel_context():
     ms.reset_auto_parallel_context()
 
 
-def _ce():
-    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-
 
 def _loss_net():
-    return nn.WithLossCell(make_mlp(), _ce())
+    return nn.WithLossCell(make_mlp(), ce())
 
 
 def _primitives(cell, prim_name):
@@ -71,12 +68,12 @@ def test_parallel_modes_mechanism_follows_the_mode_in_force_not_the_one_at_const
     # choice would have kept the parallel-pass markers, which accumulate nothing outside that pass).
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
     net = make_mlp()
-    cell = GradAccumulationCell(nn.WithLossCell(net, _ce()), K)
+    cell = GradAccumulationCell(nn.WithLossCell(net, ce()), K)
     assert cell.parallel_pass and _is_grad_accumulation(cell)
     ms.reset_auto_parallel_context()
     assert not cell.parallel_pass and not _is_grad_accumulation(cell)
     batches = classification_batches(3, 32)
-    expected, _, initial = reference_run(make_mlp, _ce(), "momentum", batches)
+    expected, _, initial = reference_run(make_mlp, ce(), "momentum", batches)
     train_steps(nn.TrainOneStepCell(cell, make_optimizer("momentum", net.trainable_params())), batches)
     assert_params_moved(expected, initial)
     assert_params_close(params_of(net), expected, rtol=1e-5, atol=1e-6)
@@ -133,7 +130,7 @@ def test_parallel_modes_auto_parallel_wrapper_routes_while_model_builds(parallel
 
 def test_parallel_modes_accumulating_cell_refused_under_semi_auto():
     net = make_mlp()
-    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _ce()), nn.SGD(net.trainable_params(), 0.1), 2)
+    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), nn.SGD(net.trainable_params(), 0.1), 2)
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
     with pytest.raises(RuntimeError, match=r"For 'AccumulatingTrainOneStepCell', semi-auto/auto parallel is not "
                                            r"supported.*Model\(GradAccumulationCell\(loss_net, micro_size\)"):
@@ -225,7 +222,8 @@ def test_parallel_modes_dynamic_loss_scale_wrapper_is_refused_with_the_fix():
     cell = GradAccumulationCell(_loss_net(), K)
     opt = nn.SGD(cell.trainable_params(), 0.1)
     dynamic = nn.TrainOneStepWithLossScaleCell(cell, opt, scale_sense=nn.DynamicLossScaleUpdateCell(2.0 ** 10, 2, 100))
-    with pytest.raises(ValueError, match=r"AccumulatingTrainOneStepCell\(loss_net, optimizer, 1, micro_size=micro_size, "
+    with pytest.raises(ValueError, match=r"AccumulatingTrainOneStepCell\(loss_net, optimizer, 1, "
+                                         r"micro_size=micro_size, "
                                          r"scale_sense=manager.get_update_cell\(\)\)"):
         _CompilingFrame(dynamic).compile(cell.loss_scale.check)
     fixed = nn.TrainOneStepWithLossScaleCell(cell, opt, scale_sense=nn.FixedLossScaleUpdateCell(2.0 ** 10))

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from probe import REPO
+from launch import REPO, free_port, repo_env
 
 
 def _processes_with_env(marker: str, rank: int) -> list:
@@ -62,8 +62,7 @@ def test_run_sh_killed_rank_fails_fast_with_its_log(tmp_path, launcher):
     rank_1_log, launcher_says = LAUNCHERS[launcher]
     marker = uuid.uuid4().hex
     log_dir = tmp_path / "logs"
-    env = dict(os.environ, MS_GRADACCUM_TEST_RUN=marker, LOG_DIR=str(log_dir), LAUNCHER=launcher, RUN_TIMEOUT="300",
-               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    env = repo_env(MS_GRADACCUM_TEST_RUN=marker, LOG_DIR=str(log_dir), LAUNCHER=launcher, RUN_TIMEOUT="300")
     job = subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), "2", "--epochs", "500", "--loss-every", "1"],
                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -96,8 +95,7 @@ def test_run_sh_rejects_bad_worker_count():
 
 
 def _run_sh_env(tmp_path, name, **extra):
-    return dict(os.environ, LOG_DIR=str(tmp_path / name), RUN_TIMEOUT="300", **extra,
-                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    return repo_env(LOG_DIR=str(tmp_path / name), RUN_TIMEOUT="300", **extra)
 
 
 @pytest.mark.parametrize("env, args, message", [
@@ -111,8 +109,8 @@ def _run_sh_env(tmp_path, name, **extra):
      "argument --micro-size: must be at most --batch-size (8) so that every micro-batch holds at least one sample, "
      "but got 16"),
     ({}, ["--check", "--micro-size", "0"], "argument --micro-size: must be a positive integer, but got 0"),
-    (dict(DATA_PATH="/nonexistent"), [], "--data-path / DATA_PATH '/nonexistent' must be a folder with MNIST's four idx "
-                                         "files (train-images-idx3-ubyte, "),
+    (dict(DATA_PATH="/nonexistent"), [],
+     "--data-path / DATA_PATH '/nonexistent' must be a folder with MNIST's four idx files (train-images-idx3-ubyte, "),
     (dict(DEVICE_TARGET="CPU"), ["--parallel-mode", "semi_auto_parallel"],
      "--parallel-mode semi_auto_parallel cannot run on CPU (MindSpore compiles these modes for GPU and Ascend only)"),
     (dict(DEVICE_TARGET="GPU"), [], "--device-target GPU cannot be used here: "),
@@ -161,7 +159,6 @@ def _start_node(tmp_path, node_rank, port, marker, *args):
 
 
 def test_run_sh_two_nodes_of_two_workers_train_one_job(tmp_path):
-    from launch import free_port  # pylint: disable=import-outside-toplevel
     port, marker = free_port(), uuid.uuid4().hex
     nodes = [_start_node(tmp_path, rank, port, marker, "--epochs", "1", "--max-steps", "6") for rank in (0, 1)]
     try:
@@ -182,7 +179,6 @@ def test_run_sh_two_nodes_of_two_workers_train_one_job(tmp_path):
 
 
 def test_run_sh_killed_node_fails_the_other_node(tmp_path):
-    from launch import free_port  # pylint: disable=import-outside-toplevel
     port, marker = free_port(), uuid.uuid4().hex
     nodes = [_start_node(tmp_path, rank, port, marker, "--epochs", "500", "--loss-every", "1") for rank in (0, 1)]
     try:

@@ -5,7 +5,7 @@ import struct
 import subprocess
 import sys
 
-from probe import REPO
+from launch import REPO, repo_env
 
 SAMPLE = os.path.join(REPO, "sample_code", "distributed_gradient_accumulation")
 sys.path.insert(0, SAMPLE)
@@ -32,14 +32,17 @@ def test_sample_builtin_dataset_is_written_once_in_idx_format(tmp_path):
     assert os.path.getmtime(os.path.join(directory, FILES["train"][0])) == stamp
 
 
-def test_sample_trains_on_builtin_dataset(tmp_path):
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), GLOG_v="3",
-               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+def _sample(tmp_path, *args):
+    env = repo_env(XDG_CACHE_HOME=str(tmp_path), GLOG_v="3")
     env.pop("DATA_PATH", None)
-    done = subprocess.run([sys.executable, os.path.join(SAMPLE, "train.py"), "--epochs", "2", "--max-steps", "20",
-                           "--loss-every", "10"], env=env, capture_output=True, text=True, timeout=300, check=False)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
+    done = subprocess.run([sys.executable, os.path.join(SAMPLE, "train.py"), *args], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_sample_trains_on_builtin_dataset(tmp_path):
+    status, output = _sample(tmp_path, "--epochs", "2", "--max-steps", "20", "--loss-every", "10")
+    assert status == 0, output[-3000:]
     assert "mode stand_alone, 1 rank(s)" in output
     assert os.path.isdir(os.path.join(str(tmp_path), "ms_gradaccum", "digits_mnist"))
     losses = [float(v) for v in re.findall(r"epoch: \d+ step: \d+, loss is ([0-9.e-]+)", output)]
@@ -49,15 +52,6 @@ def test_sample_trains_on_builtin_dataset(tmp_path):
     assert losses[-1] < losses[0]
     # 40 SGD steps of batch 32 on real digits: well above the 10% of guessing, far from converged.
     assert float(final.group(2)) > 0.3
-
-
-def _sample(tmp_path, *args):
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), GLOG_v="3",
-               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-    env.pop("DATA_PATH", None)
-    done = subprocess.run([sys.executable, os.path.join(SAMPLE, "train.py"), *args], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    return done.returncode, done.stdout + done.stderr
 
 
 def test_sample_logs_loss_lines_however_short_the_epoch(tmp_path):

@@ -8,7 +8,7 @@ from mindspore import nn
 from mindspore.train import Callback, LossMonitor, Model
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, GradAccumulationScheduler
-from helpers import (assert_params_close, assert_params_equal, assert_params_moved, classification_batches,
+from helpers import (assert_params_close, assert_params_equal, assert_params_moved, ce, classification_batches,
                      classification_dataset, make_mlp, make_optimizer, params_of, reference_run, train_steps)
 
 STEPS_PER_EPOCH = 8
@@ -18,13 +18,10 @@ def _dataset(steps=STEPS_PER_EPOCH, batch=8):
     return classification_dataset(steps, batch)
 
 
-def _ce():
-    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-
 
 def _model(accumulate_steps=1):
     net = make_mlp()
-    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")),
+    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()),
                                         make_optimizer("sgd", net.trainable_params()), accumulate_steps)
     return net, cell, Model(cell)
 
@@ -92,7 +89,7 @@ def test_scheduler_bad_schedules_rejected(scheduling, error, message):
 
 def test_scheduler_needs_an_accumulating_cell():
     net = make_mlp()
-    loss_net = GradAccumulationCell(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")), 2)
+    loss_net = GradAccumulationCell(nn.WithLossCell(net, ce()), 2)
     model = Model(loss_net, optimizer=make_optimizer("sgd", net.trainable_params()))
     with pytest.raises(TypeError, match="Model's train network must be or contain an AccumulatingTrainOneStepCell, "
                                         "but got TrainOneStepCell"):
@@ -116,7 +113,7 @@ def test_scheduler_windows_follow_the_batches_run_whatever_sink_size_says(sink_s
     batches = classification_batches(6, 8)
     windows = [tuple(np.concatenate(part) for part in zip(*batches[:4])),
                tuple(np.concatenate(part) for part in zip(*batches[4:]))]
-    expected, _, initial = reference_run(make_mlp, _ce(), "sgd", windows * 2)
+    expected, _, initial = reference_run(make_mlp, ce(), "sgd", windows * 2)
 
     def run(**train_kwargs):
         net, cell, model = _model()
@@ -144,7 +141,7 @@ def test_scheduler_epoch_stopped_early_applies_what_it_ran():
                 run_context.request_stop()
 
     batches = classification_batches(8, 8)
-    expected, _, _ = reference_run(make_mlp, _ce(), "sgd", [
+    expected, _, _ = reference_run(make_mlp, ce(), "sgd", [
         tuple(np.concatenate(part) for part in zip(*batches[:4])), tuple(np.concatenate(part) for part in zip(*batches[4:5]))])
     net, cell, model = _model()
     model.train(1, _dataset(), callbacks=[GradAccumulationScheduler({0: 4}), StopAfter()], dataset_sink_mode=False)

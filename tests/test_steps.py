@@ -4,15 +4,12 @@ import mindspore as ms
 import pytest
 from mindspore import nn, Tensor
 
-from ms_gradaccum import AccumulatingTrainOneStepCell
-from helpers import (assert_params_close, assert_params_equal, assert_params_moved, classification_batches,
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
+from helpers import (assert_params_close, assert_params_equal, assert_params_moved, ce, classification_batches,
                      classification_dataset, make_mlp, make_optimizer, max_abs_diff, params_of, reference_run)
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
-
-def _loss_fn():
-    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
 def _concat(batches):
@@ -33,7 +30,7 @@ def _accumulating(optimizer="sgd", accumulate_steps=4, steps_per_epoch=None, lea
     net = make_mlp()
     opt = make_optimizer(optimizer, net.trainable_params()) if learning_rate is None else \
         nn.SGD(net.trainable_params(), learning_rate=learning_rate)
-    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _loss_fn()), opt, accumulate_steps,
+    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), opt, accumulate_steps,
                                         steps_per_epoch=steps_per_epoch)
     return net, cell
 
@@ -50,7 +47,7 @@ def _run(cell, net, batches):
 def test_steps_match_full_batch_reference_and_hold_weights_between_steps(optimizer):
     k, windows = 4, 3
     batches = classification_batches(k * windows, 8)
-    expected, expected_losses, initial = reference_run(make_mlp, _loss_fn(), optimizer, _windows(batches, [k] * windows))
+    expected, expected_losses, initial = reference_run(make_mlp, ce(), optimizer, _windows(batches, [k] * windows))
     net, cell = _accumulating(optimizer, k)
     snapshots, losses = _run(cell, net, batches)
 
@@ -71,7 +68,7 @@ def test_steps_match_full_batch_reference_and_hold_weights_between_steps(optimiz
 def test_steps_every_call_stepping_fails_reference():
     # Negative control: stepping every call (accumulate_steps=1) is a different trajectory.
     batches = classification_batches(8, 8)
-    expected, _, _ = reference_run(make_mlp, _loss_fn(), "sgd", _windows(batches, [4, 4]))
+    expected, _, _ = reference_run(make_mlp, ce(), "sgd", _windows(batches, [4, 4]))
     net, cell = _accumulating("sgd", 1)
     snapshots, _ = _run(cell, net, batches)
     with pytest.raises(AssertionError, match="differs from the reference"):
@@ -80,7 +77,7 @@ def test_steps_every_call_stepping_fails_reference():
 
 def test_steps_accumulate_steps_1_is_bit_exact_train_one_step_cell():
     batches = classification_batches(3, 8)
-    expected, _, _ = reference_run(make_mlp, _loss_fn(), "adam", batches)
+    expected, _, _ = reference_run(make_mlp, ce(), "adam", batches)
     net, cell = _accumulating("adam", 1)
     snapshots, _ = _run(cell, net, batches)
     assert_params_equal(snapshots[-1], expected)
@@ -90,7 +87,7 @@ def test_steps_learning_rate_schedule_advances_per_optimizer_step():
     schedule = [0.2, 0.1, 0.05]   # a dynamic learning rate, indexed by the optimizer's step counter
     batches = classification_batches(6, 8)
     ref_net = make_mlp()
-    ref_step = nn.TrainOneStepCell(nn.WithLossCell(ref_net, _loss_fn()), nn.SGD(ref_net.trainable_params(), schedule))
+    ref_step = nn.TrainOneStepCell(nn.WithLossCell(ref_net, ce()), nn.SGD(ref_net.trainable_params(), schedule))
     for x, y in _windows(batches, [2, 2, 2]):
         ref_step(Tensor(x), Tensor(y))
     net, cell = _accumulating(accumulate_steps=2, learning_rate=schedule)
@@ -103,7 +100,7 @@ def test_steps_last_short_window_of_epoch_weighted_by_its_batches():
     # the mean of its single batch (not that batch's gradient / 2, Lightning #19987).
     batches = classification_batches(10, 8)
     sizes = [2, 2, 1, 2, 2, 1]
-    expected, _, _ = reference_run(make_mlp, _loss_fn(), "momentum", _windows(batches, sizes))
+    expected, _, _ = reference_run(make_mlp, ce(), "momentum", _windows(batches, sizes))
     net, cell = _accumulating("momentum", 2, steps_per_epoch=5)
     snapshots, _ = _run(cell, net, batches)
     assert_params_close(snapshots[-1], expected, **TOLERANCE)
@@ -113,7 +110,7 @@ def test_steps_last_short_window_of_epoch_weighted_by_its_batches():
 def test_steps_epoch_shorter_than_window_still_trains_once_per_epoch():
     # Lightning #21808: 3 batches per epoch, accumulate_steps 8: one step of the 3 batches' mean per epoch.
     batches = classification_batches(6, 8)
-    expected, _, initial = reference_run(make_mlp, _loss_fn(), "sgd", _windows(batches, [3, 3]))
+    expected, _, initial = reference_run(make_mlp, ce(), "sgd", _windows(batches, [3, 3]))
     net, cell = _accumulating("sgd", 8, steps_per_epoch=3)
     snapshots, _ = _run(cell, net, batches)
     assert_params_moved(snapshots[-1], initial)
@@ -126,7 +123,7 @@ def test_steps_under_scaled_last_window_is_detected():
     net, cell = _accumulating("sgd", 8, steps_per_epoch=3)
     snapshots, _ = _run(cell, net, batches)
     under_net = make_mlp()
-    under = nn.TrainOneStepCell(nn.WithLossCell(under_net, _loss_fn()),
+    under = nn.TrainOneStepCell(nn.WithLossCell(under_net, ce()),
                                 nn.SGD(under_net.trainable_params(), learning_rate=0.1 * 3 / 8))
     for x, y in _windows(batches, [3, 3]):
         under(Tensor(x), Tensor(y))
@@ -136,7 +133,7 @@ def test_steps_under_scaled_last_window_is_detected():
 
 def test_steps_flush_applies_pending_partial_window():
     batches = classification_batches(6, 8)
-    expected, _, _ = reference_run(make_mlp, _loss_fn(), "sgd", _windows(batches, [4, 2]))
+    expected, _, _ = reference_run(make_mlp, ce(), "sgd", _windows(batches, [4, 2]))
     net, cell = _accumulating("sgd", 4)
     _run(cell, net, batches)
     assert cell.pending_batches == 2
@@ -186,7 +183,7 @@ def test_steps_resume_mid_window_equals_uninterrupted_run(tmp_path, stop_after):
 ])
 def test_steps_bad_arguments_rejected(kwargs, error, message):
     net = make_mlp()
-    arguments = dict(network=nn.WithLossCell(net, _loss_fn()), optimizer=nn.SGD(net.trainable_params(), 0.1),
+    arguments = dict(network=nn.WithLossCell(net, ce()), optimizer=nn.SGD(net.trainable_params(), 0.1),
                      accumulate_steps=2, steps_per_epoch=None)
     arguments.update(kwargs)
     with pytest.raises(error, match="For 'AccumulatingTrainOneStepCell', " + message.replace("(", r"\(").replace(")", r"\)")):
@@ -196,9 +193,9 @@ def test_steps_bad_arguments_rejected(kwargs, error, message):
 def test_steps_pynative_micro_batches_and_window_match_full_batch_reference():
     ms.set_context(mode=ms.PYNATIVE_MODE)
     batches = classification_batches(8, 8)
-    expected, _, initial = reference_run(make_mlp, _loss_fn(), "adam", _windows(batches, [2, 2, 2, 2]))
+    expected, _, initial = reference_run(make_mlp, ce(), "adam", _windows(batches, [2, 2, 2, 2]))
     net = make_mlp()
-    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _loss_fn()), make_optimizer("adam", net.trainable_params()),
+    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), make_optimizer("adam", net.trainable_params()),
                                         2, micro_size=4)
     snapshots, _ = _run(cell, net, batches)
     assert_params_moved(expected, initial)
@@ -214,3 +211,10 @@ def test_steps_train_cell_given_to_model_with_an_optimizer_is_refused():
                                          r"optimizer=...\) builds one\)"):
         model.train(1, classification_dataset(2, 8), dataset_sink_mode=False)
     assert_params_equal(params_of(net), initial)
+
+
+def test_loss_scale_nested_grad_accumulationcell_rejected():
+    net = make_mlp()
+    nested = nn.SequentialCell([GradAccumulationCell(nn.WithLossCell(net, ce()), 2)])
+    with pytest.raises(ValueError, match="a GradAccumulationCell must be the 'network' itself"):
+        AccumulatingTrainOneStepCell(nested, nn.SGD(net.trainable_params(), 0.1), 1)

@@ -1,18 +1,15 @@
-"""Exact at any batch: (loss_sum, count) networks, batches not divisible by micro_size, BatchNorm warned."""
+"""Token-normalised losses: per_token_loss=True and (loss_sum, count) networks, divided by the whole batch's count."""
 import re
-import warnings
 
 import numpy as np
 import mindspore as ms
-import mindspore.dataset as ds
 import pytest
 from mindspore import nn, Tensor
-from mindspore.train import Model
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from helpers import (RecordLoss, TokenLoss, assert_params_close, assert_params_equal, assert_params_moved,
-                     classification_batches, make_mlp, make_optimizer, make_token_net, max_abs_diff, params_of,
-                     reference_run, token_batches, train_steps)
+from helpers import (assert_params_close, assert_params_equal, assert_params_moved, ce, classification_batches,
+                     make_mlp, make_optimizer, make_token_net, max_abs_diff, params_of, token_batches, TokenLoss,
+                     train_steps)
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 # Four micro-batches of 4 samples with 1, 6, 2 and 5 valid tokens per sample: very uneven token counts.
@@ -100,104 +97,6 @@ def test_tokens_flush_divides_a_partial_window_by_its_count():
     assert_params_close(params_of(net), expected, **TOLERANCE)
 
 
-# --- batches not divisible by micro_size ---------------------------------------------------------------
-
-def _ce():
-    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-
-
-@pytest.mark.parametrize("batch, micro_size", [(30, 4), (3, 4), (1, 8), (7, 3)])
-def test_tokens_any_batch_size_matches_full_batch(batch, micro_size):
-    batches = classification_batches(3, batch)
-    expected, expected_losses, _ = reference_run(make_mlp, _ce(), "momentum", batches)
-    net = make_mlp()
-    step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, _ce()), micro_size),
-                               make_optimizer("momentum", net.trainable_params()))
-    losses = train_steps(step, batches)
-    assert_params_close(params_of(net), expected, **TOLERANCE)
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    if batch > 1:   # Negative control: dropping the remainder rows (a naive split) is a different update.
-        dropped, _, _ = reference_run(make_mlp, _ce(), "momentum",
-                                      [(x[:batch // micro_size * micro_size or 1], y[:batch // micro_size * micro_size or 1])
-                                       for x, y in batches])
-        with pytest.raises(AssertionError, match="differs from the reference"):
-            assert_params_close(dropped, expected, **TOLERANCE)
-
-
-def test_tokens_equal_micro_batch_weights_would_fail_reference():
-    # Negative control for row weighting: 30 rows as 8, 8, 7, 7 with the micro-batch means averaged equally.
-    (x, y), = classification_batches(1, 30)
-    expected, _, _ = reference_run(make_mlp, _ce(), "sgd", [(x, y)])
-    net = make_mlp()
-    opt = make_optimizer("sgd", net.trainable_params())
-    grads = None
-    for start, stop in ((0, 8), (8, 16), (16, 23), (23, 30)):
-        _, g = ms.value_and_grad(nn.WithLossCell(net, _ce()), None, opt.parameters)(Tensor(x[start:stop]), Tensor(y[start:stop]))
-        grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
-    opt(tuple(g / 4 for g in grads))
-    with pytest.raises(AssertionError, match="differs from the reference"):
-        assert_params_close(params_of(net), expected, **TOLERANCE)
-
-
-class _Rows:
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __getitem__(self, index):
-        return np.asarray(self.x[index]), np.asarray(self.y[index])
-
-    def __len__(self):
-        return len(self.x)
-
-
-def test_tokens_model_epoch_with_short_last_batch_equals_plain_training():
-    (x, y), = classification_batches(1, 3 * 32 + 30)   # batches of 32, 32, 32 and a short 30
-
-    def train(network_of):
-        net = make_mlp()
-        dataset = ds.GeneratorDataset(_Rows(x, y), ["data", "label"], shuffle=False).batch(32, drop_remainder=False)
-        record = RecordLoss()
-        Model(network_of(nn.WithLossCell(net, _ce())), optimizer=make_optimizer("adam", net.trainable_params())).train(
-            1, dataset, callbacks=[record], dataset_sink_mode=False)
-        return params_of(net), record.losses
-
-    expected, expected_losses = train(lambda loss_net: loss_net)
-    actual, losses = train(lambda loss_net: GradAccumulationCell(loss_net, 4))
-    assert len(losses) == 4
-    assert_params_close(actual, expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-
-
-# --- BatchNorm -----------------------------------------------------------------------------------------
-
-def _bn_net():
-    return nn.SequentialCell(nn.Dense(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dense(32, 4))
-
-
-def test_tokens_batch_norm_is_warned_once_with_names_and_fix():
-    with pytest.warns(UserWarning) as record:
-        GradAccumulationCell(nn.WithLossCell(_bn_net(), _ce()), 4)
-    messages = [str(w.message) for w in record if "batch normalisation" in str(w.message)]
-    assert len(messages) == 1
-    assert "1 (BatchNorm1d)" in messages[0] and "micro_size=4" in messages[0]
-    assert "moving averages are updated once per part" in messages[0] and "GroupNorm or LayerNorm" in messages[0]
-
-
-def test_tokens_no_warning_without_batch_norm_or_when_silenced():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        GradAccumulationCell(nn.WithLossCell(make_mlp(), _ce()), 4)
-        GradAccumulationCell(nn.WithLossCell(_bn_net(), _ce()), 1)          # one micro-batch: nothing differs
-        warnings.filterwarnings("ignore", message=re.escape("GradAccumulationCell: the network has batch normal"))
-        GradAccumulationCell(nn.WithLossCell(_bn_net(), _ce()), 4)
-
-
-def test_tokens_accumulating_cell_warns_for_batch_norm_across_batches():
-    net = _bn_net()
-    with pytest.warns(UserWarning, match="AccumulatingTrainOneStepCell: the network has batch normalisation"):
-        AccumulatingTrainOneStepCell(nn.WithLossCell(net, _ce()), nn.SGD(net.trainable_params(), 0.1), 4)
-
-
 # --- the explicit token mode: per_token_loss ------------------------------------------------------------------
 
 class _LossAndAccuracy(nn.Cell):
@@ -206,7 +105,7 @@ class _LossAndAccuracy(nn.Cell):
     def __init__(self, net):
         super().__init__(auto_prefix=False)
         self.net = net
-        self.ce = _ce()
+        self.ce = ce()
 
     def construct(self, x, y):
         logits = self.net(x)
@@ -238,7 +137,7 @@ def test_tokens_tuple_without_per_token_loss_is_refused(make):
 
 def test_tokens_per_token_loss_with_a_scalar_loss_is_refused():
     net = make_mlp()
-    cell = GradAccumulationCell(nn.WithLossCell(net, _ce()), K, per_token_loss=True)
+    cell = GradAccumulationCell(nn.WithLossCell(net, ce()), K, per_token_loss=True)
     x, y = classification_batches(1, 16)[0]
     with pytest.raises(ValueError, match=re.escape(
             "with per_token_loss=True the argument 'network' must return a tuple (loss_sum, count) of two scalars "
@@ -328,34 +227,5 @@ def test_tokens_accumulating_cell_contradicting_its_grad_accumulation_cell_is_re
 def test_tokens_accumulating_cell_refuses_an_inner_loss_scale():
     net = make_mlp()
     with pytest.raises(ValueError, match="has its own loss_scale, which this cell does not use"):
-        AccumulatingTrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, _ce()), K, loss_scale=8.0),
+        AccumulatingTrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, ce()), K, loss_scale=8.0),
                                      nn.SGD(net.trainable_params(), 0.1), 1)
-
-
-# --- windows of batches of different sizes ----------------------------------------------------------------------
-
-@pytest.mark.parametrize("micro_size", [1, 4])
-def test_tokens_window_with_a_short_batch_is_the_concatenated_full_batch(micro_size):
-    # Windows of 2 batches of 32 and 20 rows: the full batch of their 52 rows, each row weighted equally (the
-    # mean of the two batch means would weight the short batch's rows 1.6x).
-    full = classification_batches(2, 32)
-    batches = [full[0], (full[1][0][:20], full[1][1][:20])] * 2
-    windows = [tuple(np.concatenate(parts) for parts in zip(batches[i], batches[i + 1])) for i in (0, 2)]
-    expected, expected_losses, initial = reference_run(make_mlp, _ce(), "momentum", windows)
-    net = make_mlp()
-    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _ce()), make_optimizer("momentum", net.trainable_params()),
-                                        2, micro_size=micro_size)
-    train_steps(cell, batches)
-    assert_params_moved(expected, initial)
-    assert_params_close(params_of(net), expected, **TOLERANCE)
-    assert cell.last_window_loss == pytest.approx(expected_losses[-1], rel=1e-5)
-    # Negative control: the mean of the batch means.
-    control_net = make_mlp()
-    opt = make_optimizer("momentum", control_net.trainable_params())
-    loss_net = nn.WithLossCell(control_net, _ce())
-    for i in (0, 2):
-        grads = [ms.value_and_grad(loss_net, None, opt.parameters)(Tensor(x), Tensor(y))[1]
-                 for x, y in batches[i:i + 2]]
-        opt(tuple((a + b) / 2 for a, b in zip(*grads)))
-    with pytest.raises(AssertionError, match="differs from the reference"):
-        assert_params_close(params_of(control_net), expected, **TOLERANCE)

@@ -10,16 +10,13 @@ from mindspore import nn, ops, Tensor
 from mindspore.train import Model
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from helpers import (assert_params_close, assert_params_equal, classification_batches, classification_dataset,
-                     make_mlp, make_optimizer, max_abs_diff, params_of, train_steps)
+from helpers import (assert_params_close, assert_params_equal, ce, classification_batches, classification_dataset,
+                     make_mlp, make_optimizer, max_abs_diff, train_steps)
 
 BATCH, K, STEPS = 32, 4, 3
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 FIRST = ("0.weight", "0.bias")    # the first Dense layer of helpers.make_mlp
 
-
-def _ce():
-    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
 def _set_first_layer(net, trainable):
@@ -37,7 +34,7 @@ def _staged(wrap, freeze_before, freeze_after, how="train_one_step", optimizer="
     requires_grad after wrapping, builds the optimizer from trainable_params() after that, and trains 3 steps."""
     net = make_mlp()
     _set_first_layer(net, not freeze_before)
-    loss_net = wrap(nn.WithLossCell(net, _ce()))
+    loss_net = wrap(nn.WithLossCell(net, ce()))
     _set_first_layer(net, not freeze_after)
     opt = make_optimizer(optimizer, net.trainable_params())
     batches = classification_batches(STEPS, BATCH)
@@ -92,7 +89,7 @@ def test_trainable_optimizer_parameter_without_requires_grad_is_trained_as_plain
     # parameter frozen after the optimizer was built, and so must the accumulation.
     def run(wrap):
         net = make_mlp()
-        loss_net = wrap(nn.WithLossCell(net, _ce()))
+        loss_net = wrap(nn.WithLossCell(net, ce()))
         opt = make_optimizer("sgd", net.trainable_params())
         _set_first_layer(net, False)
         train_steps(nn.TrainOneStepCell(loss_net, opt), classification_batches(STEPS, BATCH))
@@ -106,7 +103,7 @@ def test_trainable_optimizer_parameter_without_requires_grad_is_trained_as_plain
 
 def test_trainable_optimizer_on_a_subset_gets_buffers_for_that_subset_only():
     net = make_mlp()
-    cell = GradAccumulationCell(nn.WithLossCell(net, _ce()), K)
+    cell = GradAccumulationCell(nn.WithLossCell(net, ce()), K)
     head = [p for p in net.trainable_params() if p.name.startswith("4.")]
     step = nn.TrainOneStepCell(cell, make_optimizer("sgd", head))
     initial = _all_params(net)
@@ -123,7 +120,7 @@ def test_trainable_new_train_cell_after_freezing_follows_and_drops_the_buffer():
     # new graph trains the new set, and the frozen layer's buffer is gone (not in checkpoints, no memory).
     def run(wrap):
         net = make_mlp()
-        loss_net = wrap(nn.WithLossCell(net, _ce()))
+        loss_net = wrap(nn.WithLossCell(net, ce()))
         batches = classification_batches(2 * STEPS, BATCH)
         train_steps(nn.TrainOneStepCell(loss_net, make_optimizer("sgd", net.trainable_params())), batches[:STEPS])
         _set_first_layer(net, False)
@@ -166,7 +163,7 @@ class _HandWrittenTrainCell(nn.Cell):
 def test_trainable_hand_written_train_cell_is_followed_through_its_optimizer():
     def run(wrap):
         net = make_mlp()
-        loss_net = wrap(nn.WithLossCell(net, _ce()))
+        loss_net = wrap(nn.WithLossCell(net, ce()))
         opt = make_optimizer("momentum", net.trainable_params())
         _set_first_layer(net, False)   # frozen after the optimizer was built: plain training still updates it
         train_steps(_HandWrittenTrainCell(loss_net, opt), classification_batches(STEPS, BATCH))

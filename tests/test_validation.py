@@ -1,5 +1,6 @@
 """Every bad argument gets a clear error naming the argument, the value and what is expected."""
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -7,11 +8,11 @@ import mindspore as ms
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from helpers import make_mlp
+from helpers import ce, make_mlp
 
 
 def _loss_net():
-    return nn.WithLossCell(make_mlp(), nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+    return nn.WithLossCell(make_mlp(), ce())
 
 
 @pytest.mark.parametrize("micro_size, error, message", [
@@ -147,3 +148,33 @@ def test_validation_per_token_loss_not_a_bool_rejected(value, shown):
                                                       f"'per_token_loss' must be a bool, but got {shown}.")):
             AccumulatingTrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.SGD(net.trainable_params(), 0.1), 1,
                                          per_token_loss=value)
+
+
+# --- BatchNorm: warned, with the cells named ---------------------------------------------------------------
+
+def _bn_net():
+    return nn.SequentialCell(nn.Dense(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dense(32, 4))
+
+
+def test_validation_batch_norm_is_warned_once_with_names_and_fix():
+    with pytest.warns(UserWarning) as record:
+        GradAccumulationCell(nn.WithLossCell(_bn_net(), ce()), 4)
+    messages = [str(w.message) for w in record if "batch normalisation" in str(w.message)]
+    assert len(messages) == 1
+    assert "1 (BatchNorm1d)" in messages[0] and "micro_size=4" in messages[0]
+    assert "moving averages are updated once per part" in messages[0] and "GroupNorm or LayerNorm" in messages[0]
+
+
+def test_validation_no_warning_without_batch_norm_or_when_silenced():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GradAccumulationCell(nn.WithLossCell(make_mlp(), ce()), 4)
+        GradAccumulationCell(nn.WithLossCell(_bn_net(), ce()), 1)          # one micro-batch: nothing differs
+        warnings.filterwarnings("ignore", message=re.escape("GradAccumulationCell: the network has batch normal"))
+        GradAccumulationCell(nn.WithLossCell(_bn_net(), ce()), 4)
+
+
+def test_validation_accumulating_cell_warns_for_batch_norm_across_batches():
+    net = _bn_net()
+    with pytest.warns(UserWarning, match="AccumulatingTrainOneStepCell: the network has batch normalisation"):
+        AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), nn.SGD(net.trainable_params(), 0.1), 4)

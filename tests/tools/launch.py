@@ -1,13 +1,23 @@
-"""Starts a script on several local ranks with MindSpore's real launcher (msrun), on a free port, with a
-bounded wait; a failure raises with every rank's log tail."""
+"""Starting processes for the tests: scripts on several local ranks with MindSpore's real launcher (msrun, on a free
+port, bounded wait, every rank's log tail on failure), and one configuration of benchmarks/worker.py in a fresh
+process (the tests' probe: memory, compiled graphs)."""
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Tuple
 
-from probe import REPO
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(TOOLS))
+WORKER = os.path.join(REPO, "benchmarks", "worker.py")
+
+
+def repo_env(**extra: str) -> Dict[str, str]:
+    """The environment of a child process: this one's, `extra`, and the checkout first on PYTHONPATH."""
+    return dict(os.environ, **extra, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
 
 
 def free_port() -> int:
@@ -30,10 +40,9 @@ def msrun(script: str, args: List[str], workers: int, log_dir: str, timeout: flo
     command = [msrun_bin if os.path.exists(msrun_bin) else "msrun", f"--worker_num={workers}",
                f"--local_worker_num={workers}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
                f"--log_dir={log_dir}", "--join=True", "--cluster_time_out=60", script, *args]
-    env = dict(os.environ, GLOG_v="3", MS_NODE_TIMEOUT="10", **env,
-               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        done = subprocess.run(command, env=repo_env(GLOG_v="3", MS_NODE_TIMEOUT="10", **env), capture_output=True,
+                              text=True, timeout=timeout, check=False)
         status, output = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as expired:
         status, output = f"timeout after {timeout}s", f"{expired.stdout or ''}{expired.stderr or ''}"
@@ -51,3 +60,29 @@ def side_by_side(calls: Dict[str, Tuple[Callable, tuple]]) -> Dict[str, Any]:
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = {name: pool.submit(function, *args) for name, (function, args) in calls.items()}
         return {name: future.result() for name, future in futures.items()}
+
+
+def _bench_result(output: str) -> Tuple[Dict[str, Any], str]:
+    found = re.search(r"^BENCH (\{.*\})$", output, re.M)
+    assert found, f"benchmarks/worker.py printed no result:\n{output[-3000:]}"
+    return json.loads(found.group(1)), output
+
+
+def run_worker(model: str, kind: str, micro_size: int, batch: int, steps: int = 2,
+               **env: str) -> Tuple[Dict[str, Any], str]:
+    """One configuration of benchmarks/worker.py in a fresh process: ``(its BENCH result, its whole output)``;
+    fails with the output's tail if it exits non-zero."""
+    done = subprocess.run([sys.executable, WORKER, "mindspore", model, kind, str(micro_size), str(batch), str(steps)],
+                          env=repo_env(GLOG_v="2", **env), capture_output=True, text=True, timeout=300, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"worker {model} {kind} {micro_size} {batch} failed:\n{output[-3000:]}"
+    return _bench_result(output)
+
+
+def run_worker_ranks(model: str, kind: str, micro_size: int, batch: int, log_dir: str, steps: int = 2,
+                     **env: str) -> Tuple[Dict[str, Any], str]:
+    """The same on 2 data-parallel ranks started by msrun: rank 0's result and output."""
+    msrun(WORKER, ["mindspore", model, kind, str(micro_size), str(batch), str(steps)], 2, log_dir,
+          DATA_PARALLEL="1", **env)
+    with open(os.path.join(log_dir, "worker_0.log"), encoding="utf-8", errors="replace") as handle:
+        return _bench_result(handle.read())

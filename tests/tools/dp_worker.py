@@ -23,18 +23,15 @@ from mindspore import nn, ops, Tensor
 from mindspore.communication import get_group_size, get_rank, init
 from mindspore.train import Model
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import (RecordLoss, TokenLoss, classification_batches, classification_dataset, make_mlp,  # noqa: E402
-                     make_optimizer, make_token_net, params_of, token_batches)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/, for helpers
+from helpers import (ce, classification_batches, classification_dataset, make_mlp, make_optimizer,  # noqa: E402
+                     make_token_net, params_of, RecordLoss, token_batches, TokenLoss)
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # noqa: E402
 
 STEPS, BATCH, MICRO_SIZE = 3, 16, 4  # per-rank batch
 CLIP_SCALE, MAX_GRAD_NORM = 1024.0, 0.05
 TOKEN_VALID = ([1, 1, 6, 6, 2, 2, 5, 5], [3] * 8)   # per rank: different token counts, uneven micro-batches
 
-
-def _loss_fn():
-    return nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
 def train(out_dir: str, rank: int, group: int) -> None:
@@ -44,7 +41,7 @@ def train(out_dir: str, rank: int, group: int) -> None:
     net = make_mlp()
     initial = params_of(net)
     record = RecordLoss()
-    model = Model(GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), MICRO_SIZE),
+    model = Model(GradAccumulationCell(nn.WithLossCell(net, ce()), MICRO_SIZE),
                   optimizer=make_optimizer("momentum", net.trainable_params()))
     model.train(1, dataset, callbacks=[record], dataset_sink_mode=False)
 
@@ -52,7 +49,7 @@ def train(out_dir: str, rank: int, group: int) -> None:
     loop_batches = [(x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH])
                     for x, y in classification_batches(STEPS, BATCH * group, seed=7)]
     loop_net = make_mlp()
-    step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(loop_net, _loss_fn()), MICRO_SIZE),
+    step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(loop_net, ce()), MICRO_SIZE),
                                make_optimizer("adam", loop_net.trainable_params()))
     loop_losses = [float(step(Tensor(x), Tensor(y)).asnumpy()) for x, y in loop_batches]
 
@@ -60,14 +57,14 @@ def train(out_dir: str, rank: int, group: int) -> None:
     small = BATCH // MICRO_SIZE
     steps_batches = [(x[i:i + small], y[i:i + small]) for x, y in loop_batches for i in range(0, BATCH, small)]
     steps_net = make_mlp()
-    steps_cell = AccumulatingTrainOneStepCell(nn.WithLossCell(steps_net, _loss_fn()),
+    steps_cell = AccumulatingTrainOneStepCell(nn.WithLossCell(steps_net, ce()),
                                               make_optimizer("momentum", steps_net.trainable_params()), MICRO_SIZE)
     steps_losses = [float(steps_cell(Tensor(x), Tensor(y)).asnumpy()) for x, y in steps_batches]
 
     # Loss scale and clipping: micro-batches of the loop batches, clipped once per step after the all-reduce.
     clip_net = make_mlp()
     clip_cell = AccumulatingTrainOneStepCell(
-        GradAccumulationCell(nn.WithLossCell(clip_net, _loss_fn()), MICRO_SIZE),
+        GradAccumulationCell(nn.WithLossCell(clip_net, ce()), MICRO_SIZE),
         make_optimizer("sgd", clip_net.trainable_params()), 1, scale_sense=CLIP_SCALE, max_grad_norm=MAX_GRAD_NORM)
     clip_losses = [float(clip_cell(Tensor(x), Tensor(y))[0].asnumpy()) for x, y in loop_batches]
 
@@ -121,18 +118,18 @@ def graphs(out_dir: str) -> None:
     for name, wrap in configs.items():
         ms.set_context(save_graphs=1, save_graphs_path=os.path.join(out_dir, "graphs", name))
         net = make_mlp()
-        step = nn.TrainOneStepCell(wrap(nn.WithLossCell(net, _loss_fn())), make_optimizer("sgd", net.trainable_params()))
+        step = nn.TrainOneStepCell(wrap(nn.WithLossCell(net, ce())), make_optimizer("sgd", net.trainable_params()))
         step(x, y).asnumpy()
     ms.set_context(save_graphs=1, save_graphs_path=os.path.join(out_dir, "graphs", "steps_4"))
     net = make_mlp()
-    step = AccumulatingTrainOneStepCell(nn.WithLossCell(net, _loss_fn()), make_optimizer("sgd", net.trainable_params()), 4)
+    step = AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()), 4)
     step(x, y).asnumpy()
 
 
 def unseeded(out_dir: str, rank: int, plain: bool) -> None:
     net = make_mlp(seed=100 + rank)   # a different initialisation on every rank
     x, y = (Tensor(a) for a in classification_batches(1, BATCH, seed=rank)[0])
-    loss_net = nn.WithLossCell(net, _loss_fn())
+    loss_net = nn.WithLossCell(net, ce())
     if plain:
         step = nn.TrainOneStepCell(loss_net, make_optimizer("sgd", net.trainable_params()))
         for _ in range(STEPS):
@@ -159,7 +156,7 @@ def main(out_dir: str, task: str, mode: str) -> None:
     if task == "no_init":
         ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
         net = make_mlp()
-        step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, _loss_fn()), MICRO_SIZE),
+        step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, ce()), MICRO_SIZE),
                                    make_optimizer("sgd", net.trainable_params()))
         step(*(Tensor(a) for a in classification_batches(1, BATCH)[0]))
         return
