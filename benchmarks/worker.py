@@ -121,12 +121,12 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     if kind == "accumulate_steps":
         cell = AccumulatingTrainOneStepCell(loss_net, optimizer, 1, micro_size=micro_size)
         tx, ty = Tensor(x), Tensor(y)
-        return lambda: cell(tx, ty).asnumpy(), _parameter_bytes(cell), weight_bytes
+        return lambda: cell(tx, ty).asnumpy(), lambda: _parameter_bytes(cell), weight_bytes
     if kind == "steps":
         cell = AccumulatingTrainOneStepCell(loss_net, optimizer, micro_size)
         rows = len(x) // micro_size
         parts = [(Tensor(x[i * rows:(i + 1) * rows]), Tensor(y[i * rows:(i + 1) * rows])) for i in range(micro_size)]
-        return lambda: [cell(*part) for part in parts][-1].asnumpy(), _parameter_bytes(cell), weight_bytes
+        return lambda: [cell(*part) for part in parts][-1].asnumpy(), lambda: _parameter_bytes(cell), weight_bytes
     if kind == "accumulate":
         loss_net = GradAccumulationCell(loss_net, micro_size, per_token_loss=per_token_loss)
     elif kind == "mindspore":
@@ -135,10 +135,12 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         raise SystemExit(f"unknown MindSpore kind {kind!r}")
     cell = nn.TrainOneStepCell(loss_net, optimizer, sens=sens)
     tx, ty = Tensor(x), Tensor(y)
-    return lambda: cell(tx, ty).asnumpy(), _parameter_bytes(cell), weight_bytes
+    return lambda: cell(tx, ty).asnumpy(), lambda: _parameter_bytes(cell), weight_bytes
 
 
 def _parameter_bytes(cell) -> int:
+    # Counted after training has run: GradAccumulationCell creates its buffers when its graph compiles (for the
+    # weights then trained), so before the first step they would be missing from the count.
     return sum(p.size * p.itemsize for p in cell.get_parameters())
 
 
@@ -179,8 +181,9 @@ def main(framework: str, model: str, kind: str, micro_size: int, batch: int, ste
     x, y = _data(model, batch)
     rss_base = _rss_mb()
     build = mindspore_step if framework == "mindspore" else torch_step
-    step, parameter_bytes, weight_bytes = build(model, kind, micro_size, x, y)
+    step, count_parameter_bytes, weight_bytes = build(model, kind, micro_size, x, y)
     first, steady = _time_steps(step, steps)
+    parameter_bytes = None if count_parameter_bytes is None else count_parameter_bytes()
     result = dict(framework=framework, model=model, kind=kind, micro_size=micro_size, batch=batch,
                   param_mb=None if parameter_bytes is None else parameter_bytes / 2 ** 20,
                   weight_mb=weight_bytes / 2 ** 20,

@@ -34,7 +34,7 @@ def footprint_mb(kind: str, micro_size: int, batch: int, log_dir: str = ""):
         result, output = run_worker_ranks("wide1024", kind, micro_size, batch, log_dir, **STATISTICS)
     else:
         result, output = run_worker("wide1024", kind, micro_size, batch, **STATISTICS)
-    return _pool_peak_mb(output) + result["param_mb"], result["weight_mb"]
+    return _pool_peak_mb(output) + result["param_mb"], result["weight_mb"], result["param_mb"]
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,11 @@ def test_memory_parameter_heavy_model_costs_under_three_quarters_of_a_parameter_
     # with micro_size=8: the accumulator, less the gradients a plain step holds all at once) and 0.0x
     # (AccumulatingTrainOneStepCell over 8 calls, whose window's mean, unscaling and reset are in place). The issue
     # asked for under 1.25x; the bound here is tighter, 0.75x, so that a second gradient-sized copy coming back fails.
-    floor, weights = footprint_mb("plain", 1, 16)
+    floor, weights, floor_parameters = footprint_mb("plain", 1, 16)
     for kind, micro_size, batch in (("accumulate", 8, 128), ("accumulate_steps", 8, 128), ("steps", 8, 128)):
-        total, _ = footprint_mb(kind, micro_size, batch)
+        total, _, parameters = footprint_mb(kind, micro_size, batch)
+        # The buffers are counted (they are created when the graph compiles: counted before it, they were not).
+        assert parameters >= floor_parameters + 0.99 * weights, (kind, parameters, floor_parameters, weights)
         overhead = (total - floor) / weights
         message = f"{kind} K={micro_size}: {total:.1f} MB vs floor {floor:.1f} MB = {overhead:.2f}x the weights"
         assert overhead < 0.75, message
@@ -79,7 +81,7 @@ def test_memory_parameter_heavy_model_data_parallel(tmp_path):
     runs = {"floor": ("plain", 1, 16), "accumulate_steps": ("accumulate_steps", 8, 128),
             "accumulate": ("accumulate", 8, 128)}
     results = side_by_side({name: (footprint_mb, (*args, str(tmp_path / name))) for name, args in runs.items()})
-    floor, weights = results["floor"]
+    floor, weights, _ = results["floor"]
     for kind, bound in (("accumulate_steps", 1.0), ("accumulate", 1.5)):
         total = results[kind][0]
         overhead = (total - floor) / weights
