@@ -7,8 +7,8 @@ from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, CompileChecks, TrainGradAccuStepCell,
-                                     compile_time, enclosing_optimizer, enclosing_train_cell, parallel_mode, primexpr,
-                                     run_compile_checks)
+                                     compile_time, differentiated_weights, enclosing_optimizer, enclosing_train_cell,
+                                     parallel_mode, primexpr, run_compile_checks)
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
@@ -44,9 +44,10 @@ class GradAccumulationCell(PrecisionNeutral):
     their gradients are summed, and the wrapping ``nn.TrainOneStepCell`` (built by you or by ``Model``) sees
     exactly the mean gradient, so the optimizer steps once per batch with the full-batch update.
 
-    Which weights: those the wrapping train cell differentiates (its optimizer's parameters), or, without a train
-    cell around it (``mindspore.value_and_grad``), those with ``requires_grad=True``; read when the graph compiles,
-    so freezing or unfreezing after the cell is built is followed. Only those weights get a buffer.
+    Which weights: those the wrapping train cell differentiates (its optimizer's parameters); without a train cell
+    around it, the ``weights`` given to ``mindspore.value_and_grad``/``grad`` (also inside an ``ms.jit`` train step
+    that calls one grad function by name); else those with ``requires_grad=True``. Read when the graph compiles, so
+    freezing or unfreezing after the cell is built is followed. Only those weights get a buffer.
 
     How it plugs into an unmodified ``nn.TrainOneStepCell``: each micro-batch's gradient is added, in place
     and as soon as the backward pass produces it, into one buffer per weight, ``accu_grads.<weight>`` (float32
@@ -72,8 +73,9 @@ class GradAccumulationCell(PrecisionNeutral):
     MindSpore's own parallel pipeline: it wraps :class:`mindspore.parallel.nn.GradAccumulation` (which marks
     the micro-batch slices and the end of each micro-batch's forward), ``Model`` routes it into MindSpore's
     accumulating train cell, and the parallel pass accumulates into ``accu_grads`` buffers that the parallel
-    optimizer shards. The output is still the mean loss. The parallel mode in force when the cell is
-    created decides which mechanism it uses.
+    optimizer shards. The output is still the mean loss. The parallel mode in force when ``Model`` builds its
+    train cell and when the graph compiles (``set_auto_parallel_context`` or ``AutoParallel``) decides which mechanism
+    it uses.
 
     Under data parallel, the first step checks that every rank starts from the same weights (one small
     all-gather) and stops with the name of the first differing parameter if not.
@@ -202,12 +204,13 @@ class GradAccumulationCell(PrecisionNeutral):
         return parallel_mode() in PARALLEL_PASS_MODES
 
     def _trained_weights(self) -> list:
-        """The weights the wrapping train cell differentiates (its optimizer's), or those with ``requires_grad=True``
-        without one."""
+        """The weights the wrapping train cell differentiates (its optimizer's); without one, the ``weights`` of the
+        ``mindspore.value_and_grad``/``grad`` call differentiating this cell; else those with ``requires_grad=True``."""
         optimizer = enclosing_optimizer(self)
-        if optimizer is None:
+        differentiated = optimizer.parameters if optimizer is not None else differentiated_weights()
+        if differentiated is None:
             return self.network.trainable_params()
-        trained = {id(weight) for weight in optimizer.parameters}
+        trained = {id(weight) for weight in differentiated}
         return [param for param in self.network.get_parameters() if id(param) in trained]
 
     def _resolve(self) -> tuple:

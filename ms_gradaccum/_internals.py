@@ -171,6 +171,93 @@ def enclosing_optimizer(cell: nn.Cell) -> Optional[nn.Optimizer]:
     return None
 
 
+# The weights of a mindspore.grad / value_and_grad call (functional style, no train cell). MindSpore's
+# _Grad.__call__ and GradOperation.__call__ (mindspore/ops/composite/base.py) return a closure `after_grad` over `fn`
+# and `weights`. In PyNative mode its frame is on the stack while `fn` runs (`weights` among its locals). In graph mode
+# it is a jit function being compiled: the `func` of the jit wrapper's `staging_specialize` frame, `weights` in its
+# closure. Called inside the user's own jit function (MindSpore's functional recipe, `@ms.jit def train_step`), the
+# grad function is inlined by the parser and leaves no frame: the grad functions are then looked up among the names
+# that jit function uses (its globals and closure) and those of the functions it calls, two levels down, and the
+# union of their weights is taken. A grad function reached otherwise (an object's attribute) is not found; then the
+# requires_grad=True weights are accumulated. Checked 2.7.0 to 2.10.0.
+_GRAD_SOURCE = "ops/composite/base.py"
+
+
+def _is_after_grad_code(code) -> bool:
+    return code.co_name == "after_grad" and code.co_filename.replace("\\", "/").endswith(_GRAD_SOURCE)
+
+
+def _is_after_grad(function) -> bool:
+    code = getattr(function, "__code__", None)
+    return code is not None and _is_after_grad_code(code) and bool(function.__closure__)
+
+
+def _closure(function) -> dict:
+    return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())
+            if name != "__class__"}
+
+
+def _unwrap_jit(function):
+    """The function a ``mindspore.jit`` wrapper compiles (the `func` in its closure), or `function` itself."""
+    if getattr(function, "__wrapped_by_jit__", False) and getattr(function, "__closure__", None):
+        return _closure(function).get("func", function)
+    return function
+
+
+def _weights_of(variables: dict) -> Optional[list]:
+    weights = variables.get("weights")
+    if weights is None:
+        return None
+    weights = [weights] if isinstance(weights, ms.Parameter) else list(weights)
+    return weights if all(isinstance(weight, ms.Parameter) for weight in weights) else None
+
+
+def _grad_functions_used_by(function, depth: int = 2) -> list:
+    """The grad functions (after_grad closures) a user's jit function refers to by name (its globals and closure),
+    and those of the plain functions it refers to, `depth` levels down."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return []
+    used = [getattr(function, "__globals__", {}).get(name) for name in code.co_names]
+    used += list(_closure(function).values())
+    found = []
+    for candidate in used:
+        candidate = _unwrap_jit(candidate)
+        if _is_after_grad(candidate):
+            more = [candidate]
+        elif depth > 0 and callable(candidate) and not isinstance(candidate, (type, nn.Cell)):
+            more = _grad_functions_used_by(candidate, depth - 1)
+        else:
+            more = []
+        found += [f for f in more if all(f is not seen for seen in found)]
+    return found
+
+
+def differentiated_weights() -> Optional[list]:
+    """The ``weights`` of the innermost ``mindspore.grad``/``value_and_grad`` call running or being compiled, as
+    the user passed them (parameters with ``requires_grad=False`` included); ``None`` when there is none, when it
+    has no weights, or when it cannot be found (see above)."""
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        code = frame.f_code
+        if _is_after_grad_code(code):
+            return _weights_of(frame.f_locals)
+        if code.co_name == "staging_specialize":
+            func = frame.f_locals.get("func")
+            if _is_after_grad(func):
+                return _weights_of(_closure(func))
+            # All the weights of every grad function it uses: accumulating more weights than one of them
+            # differentiates costs buffers, never exactness.
+            found = [_weights_of(_closure(grad)) for grad in _grad_functions_used_by(func)]
+            union = []
+            for weight in (w for weights in found if weights for w in weights):
+                if all(weight is not seen for seen in union):
+                    union.append(weight)
+            return union or None
+        frame = frame.f_back
+    return None
+
+
 def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
     """The loss scale `train_cell` applies as the ``sens`` of its backward when it is fixed; ``None`` when it changes
     while training (a DynamicLossScaleUpdateCell). Reads ``sense_flag``/``sens`` of nn.TrainOneStepCell and

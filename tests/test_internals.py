@@ -137,3 +137,26 @@ def test_internals_enclosing_cells_found_from_the_stack():
 
     assert Frame(wrapper).look() == (wrapper, optimizer)
     assert _internals.enclosing_train_cell(inner) is None and _internals.enclosing_optimizer(inner) is None
+
+
+def test_internals_differentiated_weights_found_from_the_grad_call():
+    # PyNative: value_and_grad's after_grad frame is on the stack while the function runs.
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        dense = nn.Dense(2, 1)
+        weights = [dense.weight]
+        seen = []
+
+        def forward(x):
+            seen.append(_internals.differentiated_weights())
+            return dense(x).sum()
+
+        ms.value_and_grad(forward, None, weights)(Tensor(np.ones((1, 2), np.float32)))
+        assert seen and seen[0] == weights and seen[0][0] is dense.weight
+        # Gradients with respect to the inputs only: no weights; and outside any grad call, nothing.
+        seen.clear()
+        ms.value_and_grad(forward, 0)(Tensor(np.ones((1, 2), np.float32)))
+        assert seen == [None]
+        assert _internals.differentiated_weights() is None
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
