@@ -46,7 +46,7 @@ class GradAccumulationCell(PrecisionNeutral):
 
     Which weights: those the wrapping train cell differentiates (its optimizer's parameters); without a train cell
     around it, the ``weights`` given to ``mindspore.value_and_grad``/``grad`` (also inside an ``ms.jit`` train step
-    that calls one grad function by name); else those with ``requires_grad=True``. Read when the graph compiles, so
+    that uses grad functions by name); else those with ``requires_grad=True``. Read when the graph compiles, so
     freezing or unfreezing after the cell is built is followed. Only those weights get a buffer.
 
     How it plugs into an unmodified ``nn.TrainOneStepCell``: each micro-batch's gradient is added, in place

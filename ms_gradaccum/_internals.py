@@ -124,14 +124,23 @@ class compile_time:  # pylint: disable=invalid-name
 _ENCLOSING_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _distinct(items) -> list:
+    """`items` in order, each object once (by identity: Cells and Parameters may define ``==`` otherwise)."""
+    kept = []
+    for item in items:
+        if all(item is not seen for seen in kept):
+            kept.append(item)
+    return kept
+
+
 def _cells_on_stack() -> list:
-    cells, frame = [], sys._getframe(1)  # pylint: disable=protected-access
+    owners, frame = [], sys._getframe(1)  # pylint: disable=protected-access
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Cell) and all(owner is not seen for seen in cells):
-            cells.append(owner)
+        if isinstance(owner, nn.Cell):
+            owners.append(owner)
         frame = frame.f_back
-    return cells
+    return _distinct(owners)
 
 
 def _enclosing_cells(cell: nn.Cell) -> list:
@@ -143,12 +152,9 @@ def _enclosing_cells(cell: nn.Cell) -> list:
         found = [ref() for ref in cached[1]]
         if all(c is not None for c in found):
             return found
-    found = []
-    for root in roots:
-        for _, candidate in root.cells_and_names():
-            if candidate is not cell and all(candidate is not c for c in found) and \
-                    any(sub is cell for _, sub in candidate.cells_and_names()):
-                found.append(candidate)
+    candidates = _distinct(candidate for root in roots for _, candidate in root.cells_and_names())
+    found = [candidate for candidate in candidates
+             if candidate is not cell and any(sub is cell for _, sub in candidate.cells_and_names())]
     found.sort(key=lambda c: len(list(c.cells_and_names())))
     _ENCLOSING_CACHE[cell] = (tuple(weakref.ref(root) for root in roots), tuple(weakref.ref(c) for c in found))
     return found
@@ -221,16 +227,12 @@ def _grad_functions_used_by(function, depth: int = 2) -> list:
     used = [getattr(function, "__globals__", {}).get(name) for name in code.co_names]
     used += list(_closure(function).values())
     found = []
-    for candidate in used:
-        candidate = _unwrap_jit(candidate)
+    for candidate in map(_unwrap_jit, used):
         if _is_after_grad(candidate):
-            more = [candidate]
+            found.append(candidate)
         elif depth > 0 and callable(candidate) and not isinstance(candidate, (type, nn.Cell)):
-            more = _grad_functions_used_by(candidate, depth - 1)
-        else:
-            more = []
-        found += [f for f in more if all(f is not seen for seen in found)]
-    return found
+            found += _grad_functions_used_by(candidate, depth - 1)
+    return _distinct(found)
 
 
 def differentiated_weights() -> Optional[list]:
@@ -249,11 +251,7 @@ def differentiated_weights() -> Optional[list]:
             # All the weights of every grad function it uses: accumulating more weights than one of them
             # differentiates costs buffers, never exactness.
             found = [_weights_of(_closure(grad)) for grad in _grad_functions_used_by(func)]
-            union = []
-            for weight in (w for weights in found if weights for w in weights):
-                if all(weight is not seen for seen in union):
-                    union.append(weight)
-            return union or None
+            return _distinct(weight for weights in found if weights for weight in weights) or None
         frame = frame.f_back
     return None
 
