@@ -310,3 +310,26 @@ def communication_initialized() -> bool:
 def parallel_mode() -> str:
     """The parallel mode in force (public API)."""
     return ms.get_auto_parallel_context("parallel_mode")
+
+
+# --- 9. How semi-auto/auto parallel splits the batch axis of a graph's inputs -----------------------------------------
+# In these modes a graph is compiled on global shapes: C++ parallel::ExtendInputArgsAbstractShape/ToFullShape multiply
+# each input's axis 0 by the dataset strategy's split of that axis, or by device_num // pipeline_stages when there is
+# no strategy and full_batch is off (mindspore/parallel/_utils.py::_need_to_full and _to_full_shapes do the same for
+# the dataset's shapes). What a cell sees as axis 0 is therefore the rows of every rank together. Checked 2.7.0-2.10.0.
+def batch_axis_splits() -> tuple:
+    """How many ranks share axis 0 of each graph input: ``(n,)`` for every input alike, or one entry per input (a
+    tuple dataset strategy); ``(1,)`` where inputs are not expanded (full_batch, stand-alone, data parallel) or where
+    the strategy is given as Layouts, whose split this does not read."""
+    from mindspore.parallel import _utils  # pylint: disable=import-outside-toplevel
+    if not _utils._need_to_full():  # pylint: disable=protected-access
+        return (1,)
+    strategy = ms.get_auto_parallel_context("dataset_strategy")
+    if strategy not in ("data_parallel", "full_batch") and strategy:
+        return tuple(int(item[0]) if isinstance(item, (tuple, list)) and item and isinstance(item[0], int) else 1
+                     for item in strategy)
+    try:
+        ranks = _utils._get_device_num() // _utils._get_pipeline_stages()  # pylint: disable=protected-access
+    except RuntimeError:   # no communication initialised and no device_num set: nothing is expanded yet
+        ranks = 1
+    return (max(int(ranks), 1),)

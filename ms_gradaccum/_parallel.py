@@ -12,7 +12,8 @@ its train cell and while the graph compiles).
 from mindspore import nn, ops
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._internals import ParallelPassMarkers, compile_time, enclosing_train_cell, scale_left_out
+from ms_gradaccum._internals import (ParallelPassMarkers, batch_axis_splits, compile_time, enclosing_train_cell,
+                                     parallel_mode, primexpr, scale_left_out)
 from ms_gradaccum._loss_scale import PrecisionNeutral
 
 _NAME = "GradAccumulationCell"
@@ -29,6 +30,35 @@ def check_parallel_pass_arguments(explicit_loss_scale: bool, per_token_loss: boo
             f"For '{_NAME}', the argument 'loss_scale' must be None under semi-auto/auto parallel, where the loss "
             f"scale comes from Model's loss_scale_manager (the cell scales its backward by the optimizer's "
             f"loss_scale).")
+
+
+def rows_per_rank(rows: int, split: int) -> str:
+    """``"29 rows"``, or ``"29 rows per rank (232 across 8 ranks)"`` when `split` ranks share axis 0."""
+    return f"{rows} rows" if split == 1 else f"{rows // split} rows per rank ({rows} across {split} ranks)"
+
+
+@primexpr
+def check_parallel_pass_batch(shapes: tuple, splits: tuple, micro_size: int, mode: str) -> None:
+    """Refuse, when the graph compiles, a batch the parallel pass cannot split into `micro_size` equal micro-batches.
+
+    MindSpore's ``_MicroBatch`` (mindspore/nn/wrap/cell_wrapper.py) slices rows ``[n * i, n * (i + 1))`` with
+    ``n = rows // micro_size`` for micro-batch ``i``, and ``_TrainGradAccuStepCell`` scales the summed gradient by
+    ``1 / micro_size`` (its ``sens``): equal micro-batches are part of that contract, and a micro-batch of unequal rows
+    could not be given its weight there. MindSpore checks only the global rows, and raises an internal
+    message from its own wrapper; this check runs first, and on each rank's rows (`splits`, see
+    :func:`~ms_gradaccum._internals.batch_axis_splits`), since every rank slices its own share.
+    """
+    for index, shape in enumerate(shapes):
+        if not shape or shape[0] < 0:
+            continue   # no batch axis or a dynamic one: MindSpore's own checks speak for these
+        split = splits[index] if len(splits) > 1 else splits[0]
+        if shape[0] % (split * micro_size) != 0:
+            raise ValueError(
+                f"For '{_NAME}', under {mode} MindSpore's parallel pass splits every batch into micro_size="
+                f"{micro_size} micro-batches of equal size, so micro_size must divide each rank's batch, but input "
+                f"{index} (shape {shape}) holds {rows_per_rank(shape[0], split)}. Batch the dataset with "
+                f"drop_remainder=True (dataset.batch(batch_size, drop_remainder=True)), or choose a batch size that "
+                f"micro_size divides. Stand-alone and data parallel take any batch size.")
 
 
 class ParallelPassAccumulation(PrecisionNeutral):
@@ -52,7 +82,22 @@ class ParallelPassAccumulation(PrecisionNeutral):
         """The optimizer's loss_scale when the wrapper never applies it, else 1 (read when the graph compiles)."""
         return scale_left_out(enclosing_train_cell(self))
 
+    @compile_time
+    def batch_splits(self) -> tuple:
+        """How many ranks share axis 0 of each input (read when the graph compiles)."""
+        return batch_axis_splits()
+
+    @compile_time
+    def mode(self) -> str:
+        """The parallel mode in force when the graph compiles (for the message)."""
+        return parallel_mode()
+
     def construct(self, *inputs):
+        shapes = ()
+        for x in inputs:
+            shapes += (x.shape,)
+        # Before the markers, whose own check would raise MindSpore's message (global rows only) from inside them.
+        check_parallel_pass_batch(shapes, self.batch_splits, self.micro_size, self.mode)
         total = ops.cast(self.markers(*inputs), mstype.float32)
         scaled = total * self.left_out_scale
         # Value: the mean loss (what LossMonitor shows); gradient: that of the scaled sum.

@@ -10,6 +10,7 @@ from mindspore.train.amp import _is_grad_accumulation
 from mindspore.parallel.auto_parallel import AutoParallel
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
+from ms_gradaccum import _parallel as parallel_pass
 from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
                      params_of, reference_run, train_steps)
 
@@ -228,3 +229,57 @@ def test_parallel_modes_dynamic_loss_scale_wrapper_is_refused_with_the_fix():
         _CompilingFrame(dynamic).compile(cell.loss_scale.check)
     fixed = nn.TrainOneStepWithLossScaleCell(cell, opt, scale_sense=nn.FixedLossScaleUpdateCell(2.0 ** 10))
     assert _CompilingFrame(fixed).compile(lambda: cell.loss_scale.value) == 2.0 ** 10
+
+
+# --- a batch the parallel pass cannot split into equal micro-batches ---------------------------------------------------
+
+def _ragged(rows):
+    x, y = classification_batches(1, rows)[0]
+    return Tensor(x), Tensor(y)
+
+
+def test_parallel_modes_ragged_batch_gets_the_package_error_before_mindspore_wrapper():
+    # Semi-auto cannot compile on CPU, so the parallel-pass part is compiled stand-alone (one rank): the check runs
+    # when its graph compiles, on the same shapes it sees under the pass, before MindSpore's _MicroBatch slices.
+    cell = GradAccumulationCell(_loss_net(), K)
+    with pytest.raises(ValueError, match=r"For 'GradAccumulationCell', under stand_alone MindSpore's parallel pass "
+                                         r"splits every batch into micro_size=4 micro-batches of equal size, so "
+                                         r"micro_size must divide each rank's batch, but input 0 \(shape \(29, 16\)\) "
+                                         r"holds 29 rows\. Batch the dataset with drop_remainder=True"):
+        ms.value_and_grad(cell.parallel_pass_part, None, cell.trainable_params())(*_ragged(29))
+    # A batch micro_size divides passes (the same graph code).
+    loss, _ = ms.value_and_grad(cell.parallel_pass_part, None, cell.trainable_params())(*_ragged(28))
+    assert np.isfinite(loss.asnumpy())
+    # Control: without the check, MindSpore's own wrapper is what refuses, with its internal message.
+    with pytest.raises(ValueError, match=r"For micro batch initialization, the 0th dimension shape of input\(29\) "
+                                         r"must be divided by micro size\(4\)"):
+        ms.value_and_grad(cell.parallel_pass_part.markers, None, cell.trainable_params())(*_ragged(29))
+
+
+@pytest.mark.parametrize("context, splits", [
+    (dict(parallel_mode=ms.ParallelMode.STAND_ALONE), (1,)),
+    (dict(parallel_mode=ms.ParallelMode.DATA_PARALLEL, device_num=8), (1,)),
+    (dict(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL, device_num=8), (8,)),
+    (dict(parallel_mode=ms.ParallelMode.AUTO_PARALLEL, device_num=8, pipeline_stages=2), (4,)),
+    (dict(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL, device_num=8, full_batch=True), (1,)),
+    (dict(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL, device_num=8, dataset_strategy=((4, 1), (4,))), (4, 4)),
+])
+def test_parallel_modes_rows_per_rank_follow_how_mindspore_expands_the_inputs(context, splits):
+    # Under semi-auto the graph sees every rank's rows together (MindSpore's ToFullShape); each rank slices its own.
+    ms.set_auto_parallel_context(**context)
+    cell = GradAccumulationCell(_loss_net(), K)
+    assert cell.parallel_pass_part.batch_splits == splits
+
+
+@pytest.mark.parametrize("shapes, splits, message", [
+    (((232, 784), (232,)), (8,), r"input 0 \(shape \(232, 784\)\) holds 29 rows per rank \(232 across 8 ranks\)"),
+    (((64, 16), (58,)), (1,), r"input 1 \(shape \(58,\)\) holds 58 rows"),
+    (((8, 16), (8,)), (4, 2), r"input 0 \(shape \(8, 16\)\) holds 2 rows per rank \(8 across 4 ranks\)"),
+])
+def test_parallel_modes_each_rank_batch_must_split_evenly(shapes, splits, message):
+    # 232 global rows on 8 ranks: MindSpore's own check passes (4 divides 232), but each rank holds 29 rows.
+    check = parallel_pass.check_parallel_pass_batch
+    with pytest.raises(ValueError, match=r"under semi_auto_parallel .*" + message + r".*drop_remainder=True"):
+        check(shapes, splits, K, "semi_auto_parallel")
+    check(((256, 784), (256,)), (8,), K, "semi_auto_parallel")   # 32 rows per rank: 4 micro-batches of 8
+    check(((16, 16), (16,), ()), (4, 1, 1), K, "semi_auto_parallel")   # 4 per rank; a scalar input has no batch axis

@@ -73,3 +73,30 @@ def test_sample_header_describes_an_uneven_split(tmp_path):
     status, output = _sample(tmp_path, "--epochs", "1", "--max-steps", "2", "--micro-size", "7")
     assert status == 0, output[-3000:]
     assert "of batch 32 = 7 micro-batches of 5 or 4 rows (4 x 5 + 3 x 4)" in output, output[-3000:]
+
+
+def test_sample_semi_auto_batches_are_what_the_parallel_pass_accepts(tmp_path):
+    # Semi-auto cannot run on CPU: this checks what the sample would hand the cell there. Its batches drop the short
+    # last one, and each rank's batch passes the check GradAccumulationCell runs when the graph compiles (MindSpore
+    # shows the graph every rank's rows together: rows x ranks).
+    import pytest   # pylint: disable=import-outside-toplevel
+    import train    # pylint: disable=import-outside-toplevel
+    from ms_gradaccum._parallel import check_parallel_pass_batch   # pylint: disable=import-outside-toplevel
+    path = ensure_digits_mnist(str(tmp_path / "digits"))
+    micro_size, batch = 4, 32
+    for mode, ranks in (("semi_auto_parallel", 8), ("auto_parallel", 1)):
+        assert train.drop_remainder(mode)
+        for rank in sorted({0, ranks - 1}):
+            dataset = train.create_dataset(path, "train", batch, rank, ranks, training=True, drop_last=True)
+            rows = [image.shape[0] for image, _ in dataset.create_tuple_iterator(num_epochs=1)]
+            assert rows and set(rows) == {batch}
+            check_parallel_pass_batch(((batch * ranks, 1, 28, 28), (batch * ranks,)), (ranks,), micro_size, mode)
+    assert train.dropped_rows(path, batch, 0, 8) == 180 % batch      # 1437 rows in 8 shards of 180
+    assert train.dropped_rows(path, batch, 0, 1) == 1437 % batch     # 29
+    # Stand-alone and data parallel train on every row; the short last batch of 29 is what the pass would refuse.
+    assert not train.drop_remainder("stand_alone") and not train.drop_remainder("data_parallel")
+    dataset = train.create_dataset(path, "train", batch, 0, 1, training=False)
+    last = [image.shape[0] for image, _ in dataset.create_tuple_iterator(num_epochs=1)][-1]
+    assert last == 29
+    with pytest.raises(ValueError, match=r"holds 29 rows\. Batch the dataset with drop_remainder=True"):
+        check_parallel_pass_batch(((last, 1, 28, 28), (last,)), (1,), micro_size, "semi_auto_parallel")

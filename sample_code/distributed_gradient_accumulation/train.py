@@ -7,6 +7,12 @@ Dense/ReLU network, SGD 1e-2, CrossEntropyLoss, ``LossMonitor(100)`` and ``Model
 Runs stand-alone (``python train.py``) or as one rank of a job started by ``run.sh`` (msrun or mpirun),
 where each rank reads its own shard of the data. Without ``DATA_PATH`` it uses the built-in handwritten
 digits (see builtin_digits.py), written once to a cache directory and read through ``ds.MnistDataset``.
+
+Every image is trained on stand-alone and data parallel: ``GradAccumulationCell`` splits an epoch's short last
+batch as evenly as possible. Under semi-auto/auto parallel (GPU, Ascend) MindSpore's parallel pass does the
+accumulation and needs ``micro_size`` micro-batches of equal size, so there the sample batches with
+``drop_remainder=True`` and says how many rows each epoch leaves out (the cell would refuse the short batch with
+the same advice; see ``drop_remainder`` below).
 """
 import argparse
 import os
@@ -120,15 +126,31 @@ def setup_parallel(mode: str) -> tuple:
     return get_rank(), get_group_size()
 
 
-def create_dataset(path: str, usage: str, batch_size: int, rank: int, group: int, training: bool) -> ds.Dataset:
+def drop_remainder(mode: str) -> bool:
+    """Whether the training batches drop an epoch's short last batch: only where MindSpore's parallel pass accumulates
+    (it splits each batch into ``micro_size`` equal micro-batches); elsewhere every row is trained on."""
+    return mode in ("semi_auto_parallel", "auto_parallel")
+
+
+def mnist_shard(path: str, usage: str, rank: int, group: int, training: bool) -> ds.MnistDataset:
     shard = dict(num_shards=group, shard_id=rank) if group > 1 else {}
-    dataset = ds.MnistDataset(path, usage=usage, shuffle=training, **shard)
+    return ds.MnistDataset(path, usage=usage, shuffle=training, **shard)
+
+
+def create_dataset(path: str, usage: str, batch_size: int, rank: int, group: int, training: bool,
+                   drop_last: bool = False) -> ds.Dataset:
+    dataset = mnist_shard(path, usage, rank, group, training)
     image_ops = [vision.Rescale(1.0 / 255.0, 0.0), vision.Normalize(mean=(0.1307,), std=(0.3081,)),
                  vision.HWC2CHW()]
     dataset = dataset.map(image_ops, "image").map(transforms.TypeCast(ms.int32), "label")
-    # Every image is used: GradAccumulationCell splits a short last batch as evenly as possible (one more
-    # compiled graph for that shape).
-    return dataset.batch(batch_size, drop_remainder=False)
+    # drop_last=False: every image is used, and GradAccumulationCell splits a short last batch as evenly as possible
+    # (one more compiled graph for that shape). True only under semi-auto/auto parallel (see drop_remainder).
+    return dataset.batch(batch_size, drop_remainder=drop_last)
+
+
+def dropped_rows(path: str, batch_size: int, rank: int, group: int) -> int:
+    """Rows of this rank's training shard that ``drop_remainder=True`` leaves out of every epoch."""
+    return mnist_shard(path, "train", rank, group, training=False).get_dataset_size() % batch_size
 
 
 class Network(nn.Cell):
@@ -191,7 +213,10 @@ def main(argv=None) -> int:
     if args.check:
         return run_check(args, data_path, rank, group)
 
-    train_set = create_dataset(data_path, "train", args.batch_size, rank, group, training=True)
+    drop_last = drop_remainder(mode)
+    train_set = create_dataset(data_path, "train", args.batch_size, rank, group, training=True, drop_last=drop_last)
+    left_out = (f", short last batch of {dropped_rows(data_path, args.batch_size, rank, group)} rows dropped (the "
+                f"parallel pass needs equal micro-batches)" if drop_last else "")
     if args.max_steps:
         train_set = train_set.take(args.max_steps)
     net = Network()
@@ -200,7 +225,8 @@ def main(argv=None) -> int:
     model = Model(GradAccumulationCell(nn.WithLossCell(net, loss_fn), args.micro_size), optimizer=optimizer)
     last = _LastLoss()
     print(f"[rank {rank}] mode {mode}, {group} rank(s), data {data_path}, {train_set.get_dataset_size()} steps "
-          f"per epoch of batch {args.batch_size} = {split_description(args.batch_size, args.micro_size)}", flush=True)
+          f"per epoch of batch {args.batch_size} = {split_description(args.batch_size, args.micro_size)}{left_out}",
+          flush=True)
     # Every run logs loss lines, however few steps an epoch has (8 ranks on the built-in data: 5 per epoch).
     loss_every = args.loss_every or max(1, min(100, train_set.get_dataset_size()))
     model.train(args.epochs, train_set, callbacks=[LossMonitor(loss_every), last], dataset_sink_mode=False)
