@@ -135,6 +135,12 @@ def assert_params_moved(after: Params, before: Params, *, min_change: float = 1e
         assert change > min_change, f"parameter {name!r} did not move (max change {change:g})"
 
 
+def device_sinks() -> bool:
+    """Whether ``dataset_sink_mode=True`` really sinks on this device: GPU and Ascend run ``sink_size`` steps (or the
+    dataset) per call and callbacks see one step per sunk epoch; CPU falls back to running and reporting every step."""
+    return ms.get_context("device_target") != "CPU"
+
+
 def set_graph_mode() -> None:
     ms.set_context(mode=ms.GRAPH_MODE)
 
