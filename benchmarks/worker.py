@@ -94,6 +94,8 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
 
     ms.set_context(mode=ms.GRAPH_MODE)
+    if os.environ.get("MS_GRADACCUM_DEVICE"):   # the device of a test run (pytest --device); else MindSpore's default
+        ms.set_context(device_target=os.environ["MS_GRADACCUM_DEVICE"])
     if os.environ.get("DATA_PARALLEL") == "1":
         from mindspore.communication import init  # pylint: disable=import-outside-toplevel
         init()

@@ -14,6 +14,30 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "too
 os.environ.setdefault("MS_RETRY_INTERVAL_LOWER", "1")
 os.environ.setdefault("MS_RETRY_INTERVAL_UPPER", "1")
 
+from launch import DEVICE_COUNT_ENV, DEVICE_ENV  # noqa: E402  (tests/tools is on sys.path from here)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="CPU", choices=("CPU", "GPU", "Ascend"),
+                     help="the device the whole suite runs on, this process and every process it starts (default CPU)")
+    parser.addoption("--device-count", type=int, default=None,
+                     help="how many devices of --device this machine has, for the tests that start several ranks "
+                          "(one rank per device: NCCL/HCCL refuse two on one). Default: 1 on GPU/Ascend; on CPU "
+                          "ranks are processes and are not limited")
+
+
+def pytest_configure(config):
+    device, count = config.getoption("--device"), config.getoption("--device-count")
+    if count is not None and count < 1:
+        raise pytest.UsageError(f"--device-count must be a positive integer, but got {count}")
+    try:   # before any test module is imported: module-level skips read the device
+        ms.set_context(device_target=device)
+    except (RuntimeError, ValueError) as error:
+        raise pytest.UsageError(f"--device {device} cannot be used here: {str(error).splitlines()[0]}") from None
+    # Inherited by every process the tests start (tests/tools, benchmarks/worker.py, the sample, run.sh's ranks).
+    os.environ[DEVICE_ENV] = device
+    os.environ[DEVICE_COUNT_ENV] = str(count or 1)
+
 
 @pytest.fixture(autouse=True)
 def graph_mode():

@@ -10,7 +10,7 @@ import pytest
 import ms_gradaccum._cell
 import ms_gradaccum._scheduler
 import ms_gradaccum._steps
-from launch import REPO, msrun, repo_env
+from launch import REPO, msrun, repo_env, suite_device
 
 EXAMPLES = ("one_device", "across_steps", "mixed_precision", "token_loss", "data_parallel", "semi_auto", "check")
 
@@ -33,13 +33,20 @@ def _readme_examples() -> dict:
     return examples
 
 
+def _as_script(name: str) -> str:
+    """The example as written, on the device of this test run (the examples name none: MindSpore's default)."""
+    device = suite_device()
+    preamble = "" if device == "CPU" else f"import mindspore\nmindspore.set_context(device_target={device!r})\n"
+    return preamble + _readme_examples()[name]
+
+
 def test_docs_readme_examples_are_all_named_and_tested():
     assert sorted(_readme_examples()) == sorted(EXAMPLES)
 
 
 def _run(tmp_path, name):
     script = tmp_path / f"{name}.py"   # a real file: MindSpore's graph parser reads the source
-    script.write_text(_readme_examples()[name], encoding="utf-8")
+    script.write_text(_as_script(name), encoding="utf-8")
     done = subprocess.run([sys.executable, str(script)], env=repo_env(GLOG_v="3"), capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -77,7 +84,7 @@ def test_docs_readme_check_example_runs(tmp_path):
 
 def test_docs_readme_data_parallel_example_runs_on_two_ranks(tmp_path):
     script = tmp_path / "data_parallel.py"
-    script.write_text(_readme_examples()["data_parallel"], encoding="utf-8")
+    script.write_text(_as_script("data_parallel"), encoding="utf-8")
     msrun(str(script), [], 2, str(tmp_path / "logs"))
     for rank in range(2):
         log = (tmp_path / "logs" / f"worker_{rank}.log").read_text(encoding="utf-8", errors="replace")

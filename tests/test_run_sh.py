@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from launch import REPO, free_port, repo_env
+from launch import REPO, free_port, repo_env, require_ranks, suite_device
 
 
 def _processes_with_env(marker: str, rank: int) -> list:
@@ -57,6 +57,7 @@ def _mpirun_works() -> bool:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's process through /proc")
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_run_sh_killed_rank_fails_fast_with_its_log(tmp_path, launcher):
+    require_ranks(2)
     if launcher == "mpirun" and not _mpirun_works():
         pytest.skip("mpirun is not installed or does not start processes here (run.sh then uses msrun)")
     rank_1_log, launcher_says = LAUNCHERS[launcher]
@@ -95,7 +96,12 @@ def test_run_sh_rejects_bad_worker_count():
 
 
 def _run_sh_env(tmp_path, name, **extra):
-    return repo_env(LOG_DIR=str(tmp_path / name), RUN_TIMEOUT="300", **extra)
+    """run.sh's environment on the device of this test run (unless a test sets DEVICE_TARGET itself)."""
+    return repo_env(**{"LOG_DIR": str(tmp_path / name), "RUN_TIMEOUT": "300", "DEVICE_TARGET": suite_device(), **extra})
+
+
+# A device target this machine lacks (run.sh must refuse it before launching).
+_MISSING_DEVICE = "Ascend" if suite_device() == "GPU" else "GPU"
 
 
 @pytest.mark.parametrize("env, args, message", [
@@ -113,7 +119,7 @@ def _run_sh_env(tmp_path, name, **extra):
      "--data-path / DATA_PATH '/nonexistent' must be a folder with MNIST's four idx files (train-images-idx3-ubyte, "),
     (dict(DEVICE_TARGET="CPU"), ["--parallel-mode", "semi_auto_parallel"],
      "--parallel-mode semi_auto_parallel cannot run on CPU (MindSpore compiles these modes for GPU and Ascend only)"),
-    (dict(DEVICE_TARGET="GPU"), [], "--device-target GPU cannot be used here: "),
+    (dict(DEVICE_TARGET=_MISSING_DEVICE), [], f"--device-target {_MISSING_DEVICE} cannot be used here: "),
     (dict(LAUNCHER="foo"), [], "LAUNCHER must be 'mpirun', 'msrun' or 'cluster', but got 'foo'."),
 ])
 def test_run_sh_rejects_bad_settings_at_once_before_launching(tmp_path, env, args, message):
@@ -131,6 +137,7 @@ def test_run_sh_rejects_bad_settings_at_once_before_launching(tmp_path, env, arg
 
 @pytest.mark.parametrize("workers", [None])
 def test_run_sh_check_passes_and_prints_the_table(tmp_path, workers):
+    require_ranks(workers or 8)
     # Without a worker count, --check runs the default 8 workers.
     count = [] if workers is None else [str(workers)]
     done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), *count, "--check", "--check-steps", "2"],
@@ -143,6 +150,7 @@ def test_run_sh_check_passes_and_prints_the_table(tmp_path, workers):
 
 
 def test_run_sh_check_fails_for_batch_norm(tmp_path):
+    require_ranks(2)
     done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "2", "--check", "--check-steps", "2",
                            "--check-network", "batchnorm"], env=_run_sh_env(tmp_path, "logs", LAUNCHER="msrun"),
                           cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
@@ -159,6 +167,7 @@ def _start_node(tmp_path, node_rank, port, marker, *args):
 
 
 def test_run_sh_two_nodes_of_two_workers_train_one_job(tmp_path):
+    require_ranks(4)
     port, marker = free_port(), uuid.uuid4().hex
     nodes = [_start_node(tmp_path, rank, port, marker, "--epochs", "1", "--max-steps", "6") for rank in (0, 1)]
     try:
@@ -179,6 +188,7 @@ def test_run_sh_two_nodes_of_two_workers_train_one_job(tmp_path):
 
 
 def test_run_sh_killed_node_fails_the_other_node(tmp_path):
+    require_ranks(4)
     port, marker = free_port(), uuid.uuid4().hex
     nodes = [_start_node(tmp_path, rank, port, marker, "--epochs", "500", "--loss-every", "1") for rank in (0, 1)]
     try:

@@ -5,7 +5,7 @@ import struct
 import subprocess
 import sys
 
-from launch import REPO, repo_env
+from launch import REPO, repo_env, suite_device
 
 SAMPLE = os.path.join(REPO, "sample_code", "distributed_gradient_accumulation")
 sys.path.insert(0, SAMPLE)
@@ -35,8 +35,8 @@ def test_sample_builtin_dataset_is_written_once_in_idx_format(tmp_path):
 def _sample(tmp_path, *args):
     env = repo_env(XDG_CACHE_HOME=str(tmp_path), GLOG_v="3")
     env.pop("DATA_PATH", None)
-    done = subprocess.run([sys.executable, os.path.join(SAMPLE, "train.py"), *args], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
+    done = subprocess.run([sys.executable, os.path.join(SAMPLE, "train.py"), "--device-target", suite_device(), *args],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
     return done.returncode, done.stdout + done.stderr
 
 

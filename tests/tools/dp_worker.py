@@ -152,7 +152,7 @@ def unseeded(out_dir: str, rank: int, plain: bool) -> None:
 
 
 def main(out_dir: str, task: str, mode: str) -> None:
-    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_context(mode=ms.GRAPH_MODE, device_target=os.environ.get("MS_GRADACCUM_DEVICE", "CPU"))
     if task == "no_init":
         ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
         net = make_mlp()

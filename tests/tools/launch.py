@@ -10,6 +10,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Tuple
 
+# The device the suite runs on (pytest --device, set by tests/conftest.py) and how many of it there are; read by the
+# processes the tests start. benchmarks/worker.py reads the same variable.
+DEVICE_ENV = "MS_GRADACCUM_DEVICE"
+DEVICE_COUNT_ENV = "MS_GRADACCUM_DEVICE_COUNT"
+
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(TOOLS))
 WORKER = os.path.join(REPO, "benchmarks", "worker.py")
@@ -18,6 +23,22 @@ WORKER = os.path.join(REPO, "benchmarks", "worker.py")
 def repo_env(**extra: str) -> Dict[str, str]:
     """The environment of a child process: this one's, `extra`, and the checkout first on PYTHONPATH."""
     return dict(os.environ, **extra, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+
+
+def suite_device() -> str:
+    """The device of this test run: ``pytest --device`` (default CPU)."""
+    return os.environ.get(DEVICE_ENV, "CPU")
+
+
+def require_ranks(ranks: int) -> None:
+    """Skip the calling test when it needs more ranks than this machine has devices: on GPU/Ascend one rank per device
+    (NCCL and HCCL refuse two ranks on one device); on CPU ranks are processes."""
+    device = suite_device()
+    available = int(os.environ.get(DEVICE_COUNT_ENV, "1"))
+    if device != "CPU" and ranks > available:
+        import pytest  # pylint: disable=import-outside-toplevel
+        pytest.skip(f"needs {ranks} ranks, one per {device}, but this run has {available} (--device-count): NCCL "
+                    f"and HCCL refuse two ranks on one device")
 
 
 def free_port() -> int:
@@ -35,7 +56,8 @@ def _tail(path: str, lines: int = 30) -> str:
 
 def msrun(script: str, args: List[str], workers: int, log_dir: str, timeout: float = 240, **env: str) -> None:
     """Run ``script args`` on ``workers`` ranks, with `env` added to the environment; raise AssertionError with
-    the logs if any rank fails."""
+    the logs if any rank fails. Skips the test where the device cannot hold that many ranks (:func:`require_ranks`)."""
+    require_ranks(workers)
     msrun_bin = os.path.join(os.path.dirname(sys.executable), "msrun")
     command = [msrun_bin if os.path.exists(msrun_bin) else "msrun", f"--worker_num={workers}",
                f"--local_worker_num={workers}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
