@@ -25,7 +25,7 @@ import numpy as np
 from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._internals import AUGMENTED_ASSIGNMENT_IN_PLACE
+from ms_gradaccum._internals import AUGMENTED_ASSIGNMENT_IN_PLACE, ZEROS_LIKE
 from ms_gradaccum._microbatch import plan
 
 GRAD_PREFIX = "accu_grads"
@@ -131,7 +131,7 @@ def clear(buffers, after):
     buffer-sized zero tensor exists at a time."""
     for buffer in buffers:
         # The data dependency on `after` (the optimizer's result) orders the reset after the gradient is used.
-        after = ops.depend(after, ops.assign(buffer, ops.depend(ops.zeros_like(buffer), after)))
+        after = ops.depend(after, ops.assign(buffer, ops.depend(ZEROS_LIKE(buffer), after)))
     return after
 
 
@@ -159,4 +159,4 @@ def divisor(scale, count, factor):
 
 def mean_loss(value, count):
     """``value / count``, or 0 when the count is 0 (a batch without a single valid token)."""
-    return ops.select(count > 0, value / ops.select(count > 0, count, ops.ones_like(count)), ops.zeros_like(value))
+    return ops.select(count > 0, value / ops.select(count > 0, count, ops.ones_like(count)), ZEROS_LIKE(value))

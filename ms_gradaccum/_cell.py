@@ -6,9 +6,10 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._engine import MicroBatchGradients
-from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, CompileChecks, TrainGradAccuStepCell,
-                                     compile_time, differentiated_weights, enclosing_optimizer, enclosing_train_cell,
-                                     parallel_mode, primexpr, run_compile_checks)
+from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, ZEROS_LIKE, CompileChecks,
+                                     TrainGradAccuStepCell, bprops_calling_zeros_like, compile_time, compiling_graph,
+                                     differentiated_weights, enclosing_optimizer, enclosing_train_cell, parallel_mode,
+                                     primexpr, run_compile_checks)
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
@@ -22,6 +23,22 @@ _NAME = "GradAccumulationCell"
 @primexpr
 def _count_unit(batch: int, micro_size: int) -> float:
     return float(_buffers.count_unit(batch, micro_size))
+
+
+def check_bprops(network: nn.Cell, micro_size: int) -> None:
+    """Refuse, when a graph compiles, a network whose custom bprop calls ``mindspore.ops.zeros_like``: MindSpore cannot
+    compile that bprop inside a gradient that is differentiated again (see _internals, 9.), which is how this cell hands
+    its gradient over. Every other bprop works."""
+    cells = bprops_calling_zeros_like(network)
+    if cells:
+        raise RuntimeError(
+            f"For '{_NAME}', the argument 'network' holds cells whose bprop calls mindspore.ops.zeros_like: "
+            f"{', '.join(cells)}. In a compiled graph MindSpore (2.10.0, measured) cannot compile that bprop inside "
+            f"a gradient that is itself differentiated (\"The func graph is empty ... zeros_like\"), which is how "
+            f"{_NAME} hands its gradient to the train cell around it. Either train with AccumulatingTrainOneStepCell("
+            f"loss_net, optimizer, 1, micro_size={micro_size}) (the same update; under Model without optimizer=), or "
+            f"in PYNATIVE_MODE without ms.jit, or return ops.ZerosLike()(x) instead of ops.zeros_like(x) in that "
+            f"bprop.")
 
 
 def validate_arguments(network, micro_size, per_token_loss) -> tuple:
@@ -184,6 +201,8 @@ class GradAccumulationCell(PrecisionNeutral):
                 f"Model(...) and model.train(...).")
         if not self._trained_weights():
             raise no_trained_weights_error(_NAME, self.network)
+        if compiling_graph():
+            check_bprops(self.network, self.micro_size)
         self._resolve()
         self.loss_scale.check()
 
@@ -281,4 +300,4 @@ class GradientOf(PrecisionNeutral):
         # ops.assign(buffer, buffer * f) would allocate a product per weight, all alive at once (measured: +27 MB
         # on four 1536-wide Dense layers). In PyNative mode it is an ordinary product, as correct.
         product = _buffers.multiply_in_place(buffer, ops.cast(dout, buffer.dtype) / ops.cast(divisor, buffer.dtype))
-        return ops.cast(product, weight.dtype), ops.zeros_like(buffer), ops.zeros_like(divisor)
+        return ops.cast(product, weight.dtype), ZEROS_LIKE(buffer), ZEROS_LIKE(divisor)

@@ -15,7 +15,7 @@ from mindspore import nn, ops, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._buffers import add_gradients
-from ms_gradaccum._internals import compile_time
+from ms_gradaccum._internals import ZEROS_LIKE, compile_time
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import check_loss_output, micro_batch, split_batch
 
@@ -163,5 +163,5 @@ class MicroBatchGradients(PrecisionNeutral):
     def bprop(self, inputs, scale, unit, key, out, dout):
         zeros = ()
         for x in inputs:
-            zeros += (ops.zeros_like(x),)
-        return zeros, ops.zeros_like(scale), ops.zeros_like(unit), 0
+            zeros += (ZEROS_LIKE(x),)
+        return zeros, ZEROS_LIKE(scale), ZEROS_LIKE(unit), 0

@@ -312,7 +312,63 @@ def parallel_mode() -> str:
     return ms.get_auto_parallel_context("parallel_mode")
 
 
-# --- 9. How semi-auto/auto parallel splits the batch axis of a graph's inputs -----------------------------------------
+# --- 9. zeros_like in the package's graphs ---------------------------------------------------------------------------
+# GradAccumulationCell differentiates the network inside a graph that the wrapping train cell differentiates again.
+# MindSpore parses the Python function mindspore.ops.zeros_like (== ops.functional.zeros_like) into one cached graph
+# per function object; when that object is reached both from the outer differentiation and from a custom bprop inside
+# the network (MindFormers' loss cells: `F.zeros_like(label)`), graph mode fails with "The func graph is empty,
+# func graph: ...zeros_like" (measured 2.10.0: a copy of the same function, or the ZerosLike primitive, trains exactly).
+# The package never calls that function in its graphs: the primitive below instead.
+# What cannot be avoided that way: a custom bprop of the user's that calls that function itself. The cells name them
+# (found by the function object their bprop reaches by name, directly or as a module's attribute: `zeros_like`,
+# `ops.zeros_like`, `F.zeros_like`), so the error can say which, and what works instead.
+from mindspore import ops as _ops  # noqa: E402
+
+ZEROS_LIKE = _ops.ZerosLike()
+_ZEROS_LIKE_FUNCTION = _ops.zeros_like
+
+
+def _code_names(code) -> set:
+    names = set(code.co_names) | set(code.co_freevars)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):   # nested functions and comprehensions
+            names |= _code_names(const)
+    return names
+
+
+def _reaches_zeros_like_function(function) -> bool:
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return False
+    names = _code_names(code)
+    if "zeros_like" not in names:
+        return False
+    namespace = dict(getattr(function, "__globals__", {}))
+    namespace.update(_closure(function) if getattr(function, "__closure__", None) else {})
+    return any(value is _ZEROS_LIKE_FUNCTION or getattr(value, "zeros_like", None) is _ZEROS_LIKE_FUNCTION
+               for value in (namespace.get(name) for name in names) if value is not None)
+
+
+def bprops_calling_zeros_like(network: nn.Cell) -> list:
+    """``["name (Class)", ...]``: the cells of `network` whose own ``bprop`` calls ``mindspore.ops.zeros_like``."""
+    return [f"{name or 'network'} ({type(cell).__name__})" for name, cell in network.cells_and_names()
+            if _reaches_zeros_like_function(getattr(type(cell), "bprop", None))]
+
+
+def compiling_graph() -> bool:
+    """Whether the caller runs while a graph is being compiled: GRAPH_MODE, or an ``ms.jit`` function being compiled in
+    PyNative mode (the jit wrapper's ``staging_specialize`` frame, see 5.)."""
+    if ms.get_context("mode") == ms.GRAPH_MODE:
+        return True
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        if frame.f_code.co_name == "staging_specialize":
+            return True
+        frame = frame.f_back
+    return False
+
+
+# --- 10. How semi-auto/auto parallel splits the batch axis of a graph's inputs -----------------------------------------
 # In these modes a graph is compiled on global shapes: C++ parallel::ExtendInputArgsAbstractShape/ToFullShape multiply
 # each input's axis 0 by the dataset strategy's split of that axis, or by device_num // pipeline_stages when there is
 # no strategy and full_batch is off (mindspore/parallel/_utils.py::_need_to_full and _to_full_shapes do the same for
