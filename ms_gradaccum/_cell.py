@@ -13,8 +13,8 @@ from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, ZEROS_LI
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
-from ms_gradaccum._validation import (check_bool, check_cell, check_has_parameters, check_positive_int,
-                                      no_trained_weights_error, warn_batch_norm)
+from ms_gradaccum._validation import (check_bool, check_cell, check_has_parameters, check_input_indices,
+                                      check_positive_int, no_trained_weights_error, warn_batch_norm)
 
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
@@ -41,13 +41,14 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
             f"bprop.")
 
 
-def validate_arguments(network, micro_size, per_token_loss) -> tuple:
-    """The checks both variants of the cell run before assigning anything: ``(micro_size, per_token_loss)``."""
+def validate_arguments(network, micro_size, per_token_loss, shared_inputs) -> tuple:
+    """The checks run before assigning anything: ``(micro_size, per_token_loss, shared_inputs)``."""
     check_cell(network, "network", _NAME)
     micro_size = check_positive_int(micro_size, "micro_size", _NAME)
     per_token_loss = check_bool(per_token_loss, "per_token_loss", _NAME)
+    shared_inputs = check_input_indices(shared_inputs, "shared_inputs", _NAME)
     check_has_parameters(network, "network", _NAME)
-    return micro_size, per_token_loss
+    return micro_size, per_token_loss, shared_inputs
 
 
 class GradAccumulationCell(PrecisionNeutral):
@@ -105,7 +106,8 @@ class GradAccumulationCell(PrecisionNeutral):
     per step; a ``UserWarning`` at construction names such cells) or dropout (different random masks).
 
     Args:
-        network (Cell): A cell returning a scalar loss, e.g. ``nn.WithLossCell(net, loss_fn)``, or any loss
+        network (Cell): A cell returning a single-element loss (shape ``()`` or ``(1,)``, any float dtype), e.g.
+            ``nn.WithLossCell(net, loss_fn)`` or a MindFormers model given its labels, or any loss
             cell taking one or more tensor inputs (data, label, sample weight, ...). Every input is split along
             axis 0. Only the loss is carried through: a network returning a tuple is refused unless
             `per_token_loss` says it is ``(loss_sum, count)``.
@@ -116,7 +118,8 @@ class GradAccumulationCell(PrecisionNeutral):
             ``None``: that of the train cell wrapping this one (1.0 if none). A number or scalar Tensor: fixed.
             A Parameter is read live at every step, e.g. ``mindspore.amp.DynamicLossScaler(...).scale_value`` in
             a functional training step. Default: ``None``.
-        per_token_loss (bool): Whether `network` returns ``(loss_sum, count)``, two scalars: the gradient is then
+        per_token_loss (bool): Whether `network` returns ``(loss_sum, count)``, two single-element Tensors (for a
+            loss cell that returns a mean over valid tokens, :func:`token_sum_loss` makes it so): the gradient is then
             divided by the count of the whole batch. A batch whose total count is 0 hands over a zero gradient
             and returns loss 0 (under ``nn.TrainOneStepCell`` the optimizer still steps on that zero gradient;
             :class:`AccumulatingTrainOneStepCell` skips such a step exactly). Default: ``False``.
@@ -159,22 +162,25 @@ class GradAccumulationCell(PrecisionNeutral):
         ()
     """
 
-    def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: bool = False):
-        micro_size, per_token_loss = validate_arguments(network, micro_size, per_token_loss)
+    def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: bool = False,
+                 shared_inputs: tuple = ()):
+        micro_size, per_token_loss, shared_inputs = validate_arguments(network, micro_size, per_token_loss,
+                                                                       shared_inputs)
         scale = _loss_scale.for_grad_accumulation_cell(loss_scale, self, network, _NAME)
         if parallel_mode() in PARALLEL_PASS_MODES:
-            check_parallel_pass_arguments(loss_scale is not None, per_token_loss)
+            check_parallel_pass_arguments(loss_scale is not None, per_token_loss, shared_inputs)
         if micro_size > 1:
             warn_batch_norm(network, _NAME, f"micro_size={micro_size} micro-batches")
         super().__init__(auto_prefix=False)
         self.network = network
         self.micro_size = micro_size
         self.per_token_loss = per_token_loss
+        self.shared_inputs = shared_inputs
         self.explicit_loss_scale = loss_scale is not None
         self.loss_scale = scale
         self.gradient_buffers = GradientBuffers()
         self.engine = MicroBatchGradients(network, micro_size, per_token_loss, overwrite=True,
-                                          targets=self._targets, cls_name=_NAME)
+                                          targets=self._targets, cls_name=_NAME, shared_inputs=shared_inputs)
         self.token_totals = TokenTotals(per_token_loss, _NAME)
         self.replicas = ReplicaCheck(self._targets, _NAME)
         self.gradient_of = GradientOf()
@@ -188,7 +194,7 @@ class GradAccumulationCell(PrecisionNeutral):
         check_data_parallel_ready(_NAME)
         wrapper = enclosing_train_cell(self)
         if self.parallel_pass:
-            check_parallel_pass_arguments(self.explicit_loss_scale, self.per_token_loss)
+            check_parallel_pass_arguments(self.explicit_loss_scale, self.per_token_loss, self.shared_inputs)
             # _TrainGradAccuStepCell makes accu_grads.<weight> buffers of its own: ours (from an earlier stand-alone
             # graph) would clash by name, and are not used here.
             self.gradient_buffers.for_weights([])
@@ -267,8 +273,9 @@ class GradAccumulationCell(PrecisionNeutral):
             return self.parallel_pass_part(*inputs)
         # Under data parallel, the first step first checks that every rank holds the same weights.
         scale = self.replicas(self.loss_scale())
-        unit = Tensor(_count_unit(inputs[0].shape[0], self.micro_size), mstype.float32)
-        value, count = self.engine(ms.mutable(inputs), scale, unit, self.targets_key)
+        split, shared, constants, layout = self.engine.split_inputs(inputs)
+        unit = Tensor(_count_unit(split[0].shape[0], self.micro_size), mstype.float32)
+        value, count, loss_like = self.engine(split, shared, constants, layout, scale, unit, self.targets_key)
         value, count, factor = self.token_totals(value, count)
         # The hand-over reads the buffers: this data dependency orders it after the micro-batch loop (the loss
         # exists only once the loop is done). Behind stop_gradient (the engine's outputs carry no gradient), or
@@ -278,7 +285,7 @@ class GradAccumulationCell(PrecisionNeutral):
         for weight, buffer in zip(self.weights, self.accu_grads):
             # Adds zero; its backward hands each weight its buffer, unscaled (in float32) and times the sens.
             loss = loss + self.gradient_of(weight, buffer, divisor)
-        return loss
+        return ops.reshape(loss, loss_like.shape)   # the network's loss shape: () or (1,)
 
 
 class GradientOf(PrecisionNeutral):

@@ -1,11 +1,15 @@
 """The micro-batch engine both cells own: forward and backward once per micro-batch, in turn, gradients added in place.
 
-Contract: ``engine(inputs, scale, unit, key) -> (value, count)``. The batch `inputs` is split along axis 0 into
-``micro_size`` micro-batches; each runs forward and backward once on its loss times ``scale * weight`` and its
+Contract: ``engine(inputs, shared, constants, layout, scale, unit, key) -> (value, count, loss_like)``. The batch
+`inputs` (those :func:`~ms_gradaccum._microbatch.plan_inputs` found to split) is split along axis 0 into
+``micro_size`` micro-batches; every micro-batch also receives the `shared` Tensors and the `constants` whole, each in
+its place (`layout`); each runs forward and backward once on its loss times ``scale * weight`` and its
 gradients are added, as the backward pass produces them, into the buffers of the weights the owner trains
 (:meth:`targets`, resolved when the graph compiles). ``value`` and ``count`` are the batch's loss value and count
 as ``_buffers`` defines them (a mean loss counts rows in units of `unit`; a ``(loss_sum, count)`` network its
-count). The owner divides the buffers by ``_buffers.divisor`` and the value by the count. `key` names the trained
+count). The owner divides the buffers by ``_buffers.divisor`` and the value by the count. ``value`` and ``count`` are float32
+scalars; ``loss_like`` is zeros of the shape of the network's loss (``()`` or ``(1,)``: MindFormers' models return
+``(1,)``), so that the owner returns its loss in that shape, as MindSpore's train cells do. `key` names the trained
 weights, so that PyNative mode compiles again when they change.
 """
 from typing import Callable
@@ -17,7 +21,8 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._buffers import add_gradients
 from ms_gradaccum._internals import ZEROS_LIKE, compile_time
 from ms_gradaccum._loss_scale import PrecisionNeutral
-from ms_gradaccum._microbatch import check_loss_output, micro_batch, split_batch
+from ms_gradaccum._microbatch import (assemble, check_loss_output, input_kinds, input_names, micro_batch,
+                                      partition, plan_inputs, split_batch)
 
 
 class TupleInputs(PrecisionNeutral):
@@ -36,7 +41,8 @@ class TupleInputs(PrecisionNeutral):
 
 
 class ScaledLoss(PrecisionNeutral):
-    """``(loss * factor, loss, count)`` in float32: only the first carries a gradient, so differentiating this cell
+    """``(loss * factor, loss, count, zeros of the loss's shape)`` in float32, the first three scalars: only the first
+    carries a gradient, so differentiating this cell
     runs the backward pass on the loss times `factor` (the loss scale times the micro-batch's weight).
 
     The product is taken in float32, so a float16 loss times a large scale cannot overflow in the forward value; the
@@ -58,10 +64,15 @@ class ScaledLoss(PrecisionNeutral):
                 shapes += (item.shape,)
             check_loss_output(self.owner_name, self.per_token_loss, True, shapes)
             loss = ops.cast(out[0], mstype.float32)
-            return loss * factor, ops.stop_gradient(loss), ops.stop_gradient(ops.cast(out[1], mstype.float32))
-        check_loss_output(self.owner_name, self.per_token_loss, False, (out.shape,))
-        loss = ops.cast(out, mstype.float32)
-        return loss * factor, ops.stop_gradient(loss), Tensor(1.0, mstype.float32)
+            count = ops.reshape(ops.cast(out[1], mstype.float32), ())
+        else:
+            check_loss_output(self.owner_name, self.per_token_loss, False, (out.shape,))
+            loss = ops.cast(out, mstype.float32)
+            count = Tensor(1.0, mstype.float32)
+        # A single-element loss of shape (1,) is tallied as a scalar; its shape goes back to the owner (loss_like).
+        scalar = ops.reshape(loss, ())
+        return (scalar * factor, ops.stop_gradient(scalar), ops.stop_gradient(count),
+                ops.stop_gradient(ZEROS_LIKE(loss)))
 
 
 class MicroBatchGradients(PrecisionNeutral):
@@ -76,20 +87,31 @@ class MicroBatchGradients(PrecisionNeutral):
         targets (Callable): Returns ``(weights, buffers)``, the ParameterTuples of the trained weights and their
             buffers; read when the graph compiles.
         cls_name (str): The public cell, for error messages.
+        shared_inputs (tuple): Indices of the inputs every micro-batch receives whole (see :meth:`split_inputs`).
 
     Its ``bprop`` returns zeros for its inputs, so an outer ``GradOperation`` treats it as opaque and does not
     differentiate through the loop (which would recompute everything and hold every activation).
     """
 
     def __init__(self, network: nn.Cell, micro_size: int, per_token_loss: bool, overwrite: bool,
-                 targets: Callable, cls_name: str):
+                 targets: Callable, cls_name: str, shared_inputs: tuple = ()):
         super().__init__(auto_prefix=False)
         self.scaled_loss = ScaledLoss(network, per_token_loss, cls_name)
         self.micro_size = micro_size
+        self.shared_inputs = shared_inputs
+        self.input_names = input_names(network)
         self.per_token_loss = per_token_loss
         self.overwrite = overwrite
         self.owner_name = cls_name
         object.__setattr__(self, "_targets", targets)   # a bound method of the owner, not a child cell
+
+    def split_inputs(self, inputs):
+        """``(split, shared, constants, layout)`` of the network's inputs, for :meth:`construct`: Tensors are split
+        along axis 0 unless declared in ``shared_inputs`` or 0-d; None and Python numbers are passed as they are."""
+        layout = plan_inputs(self.owner_name, input_kinds(inputs), self.shared_inputs, self.input_names,
+                             self.micro_size)
+        split, shared, constants = partition(inputs, layout)
+        return ms.mutable(split), ms.mutable(shared) if shared else shared, constants, layout
 
     @compile_time
     def weights(self):
@@ -104,6 +126,12 @@ class MicroBatchGradients(PrecisionNeutral):
     def _value_and_grads(self, micro, factor):
         return ms.value_and_grad(self.scaled_loss, None, self.weights)(micro, factor)
 
+    @staticmethod
+    def _micro_inputs(split, i, others):
+        """Micro-batch `i` of the split inputs, with the shared inputs and constants in their places."""
+        shared, constants, layout = others
+        return assemble(micro_batch(split, i), shared, constants, layout)
+
     def _tally(self, out, weight, totals):
         """Adds one micro-batch's value and count, and tracks the smallest and any non-finite count (checked for
         token losses). The same four loop variables for both loss kinds: with fewer, MindSpore's allocator reached a
@@ -114,12 +142,12 @@ class MicroBatchGradients(PrecisionNeutral):
                     ops.logical_and(finite, ops.isfinite(out[2])))
         return value + out[1] * weight, count + weight, smallest, finite
 
-    def _accumulate(self, split, start, stop, totals, factor, weight):
+    def _accumulate(self, split, others, start, stop, totals, factor, weight):
         # A graph-mode while loop over a Tensor counter is compiled once, whatever the count is, and runs the
         # micro-batches strictly in turn, so micro-batch i's activations are freed before i + 1 starts.
         i = Tensor(start, mstype.int32)
         while i < stop:
-            out, grads = self._value_and_grads(micro_batch(split, i), factor)
+            out, grads = self._value_and_grads(self._micro_inputs(split, i, others), factor)
             totals = self._tally(out, weight, totals)
             value = add_gradients(self.buffers, grads, after=totals[0])
             totals = (value,) + totals[1:]
@@ -140,28 +168,32 @@ class MicroBatchGradients(PrecisionNeutral):
     # Compiled as a graph in PyNative mode too: there, a cell with a custom bprop runs its construct under
     # no_grad, where eager gradients are refused, and an eager loop would not free memory per micro-batch.
     @ms.jit
-    def construct(self, inputs, scale, unit, key):
-        parts = split_batch(inputs, self.micro_size, self.owner_name)
+    def construct(self, inputs, shared, constants, layout, scale, unit, key):
+        parts = split_batch(inputs, self.micro_size)
+        others = (shared, constants, layout)
         split, count, rows = parts[0]
         weight = Tensor(1.0, mstype.float32) if self.per_token_loss else rows / unit
         factor = scale * weight
         # Micro-batch 0 runs before the loop, so that it can overwrite the buffers (no zeroing pass per step).
-        out, grads = self._value_and_grads(micro_batch(split, Tensor(0, mstype.int32)), factor)
+        out, grads = self._value_and_grads(self._micro_inputs(split, Tensor(0, mstype.int32), others), factor)
         zero = Tensor(0.0, mstype.float32)
+        loss_like = out[3]
         totals = self._tally(out, weight, (zero, zero, Tensor(float("inf"), mstype.float32), Tensor(True)))
         value = add_gradients(self.buffers, grads, overwrite=self.overwrite, after=totals[0])
-        totals = self._accumulate(split, 1, count, (value,) + totals[1:], factor, weight)
+        totals = self._accumulate(split, others, 1, count, (value,) + totals[1:], factor, weight)
         if len(parts) == 2:
             split2, count2, rows2 = parts[1]
             weight2 = weight if self.per_token_loss else rows2 / unit
-            totals = self._accumulate(split2, 0, count2, totals, scale * weight2, weight2)
+            totals = self._accumulate(split2, others, 0, count2, totals, scale * weight2, weight2)
         value, count_total, smallest, finite = totals
         if self.per_token_loss:
             value = ops.depend(value, self._check_counts(smallest, finite))
-        return value, count_total
+        return value, count_total, loss_like
 
-    def bprop(self, inputs, scale, unit, key, out, dout):
-        zeros = ()
+    def bprop(self, inputs, shared, constants, layout, scale, unit, key, out, dout):
+        zeros, shared_zeros = (), ()
         for x in inputs:
             zeros += (ZEROS_LIKE(x),)
-        return zeros, ZEROS_LIKE(scale), ZEROS_LIKE(unit), 0
+        for x in shared:
+            shared_zeros += (ZEROS_LIKE(x),)
+        return zeros, shared_zeros, 0, 0, ZEROS_LIKE(scale), ZEROS_LIKE(unit), 0

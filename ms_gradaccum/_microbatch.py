@@ -5,9 +5,10 @@ one); the caller weights each by its true number of rows. The checks run at grap
 (:func:`~ms_gradaccum._internals.primexpr`), so a bad batch fails before any computation, with a message naming the input and its shape.
 Rows are never dropped.
 """
+import inspect
 from typing import Tuple
 
-from mindspore import ops
+from mindspore import ops, Tensor
 
 from ms_gradaccum._internals import primexpr
 
@@ -25,37 +26,122 @@ def plan(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
     return ((extra, rows + 1), (k - extra, rows))
 
 
+# How each input of the network reaches the micro-batches (the layout, decided when the graph compiles).
+SPLIT, SHARED, CONSTANT = 0, 1, 2
+
+
+def input_names(network) -> tuple:
+    """The names of the positional parameters of ``network.construct`` (for messages); empty for ``*inputs``."""
+    try:
+        parameters = inspect.signature(network.construct).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _label(index: int, names: tuple) -> str:
+    return f"input {index} ('{names[index]}')" if index < len(names) else f"input {index}"
+
+
+def input_kinds(inputs: tuple) -> tuple:
+    """Per input: its shape if it is a Tensor, else None (None, a Python number: passed to every micro-batch as is)."""
+    kinds = ()
+    for x in inputs:
+        if isinstance(x, Tensor):
+            kinds += (x.shape,)
+        else:
+            kinds += (None,)
+    return kinds
+
+
 @primexpr
-def check_input_shape(cls_name: str, index: int, shape: tuple, first_shape: tuple, micro_size: int) -> None:
-    """Reject inputs that cannot be split along axis 0 together with the first input."""
-    if not shape:
+def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple, micro_size: int) -> tuple:
+    """``((kind, index), ...)`` per input: SPLIT along axis 0 (the index among the split inputs), SHARED (a Tensor every
+    micro-batch receives whole: declared in `shared_inputs`, or 0-d) or CONSTANT (None, a Python number). Refuses,
+    when the graph compiles, a declaration out of range, no input to split, and split inputs whose axis 0 differs
+    or is missing, empty or dynamic, naming the input."""
+    for index in shared_inputs:
+        if index >= len(kinds):
+            raise ValueError(
+                f"For '{cls_name}', the argument 'shared_inputs' names input {index}, but the network was called with "
+                f"{len(kinds)} input(s) (indices 0 to {len(kinds) - 1}).")
+    layout, counts, first = (), [0, 0, 0], None
+    for index, shape in enumerate(kinds):
+        if shape is None:
+            kind = CONSTANT
+        elif index in shared_inputs or not shape:
+            kind = SHARED
+        else:
+            kind = SPLIT
+            if shape[0] < 0:
+                raise ValueError(
+                    f"For '{cls_name}', {_label(index, names)} has a dynamic batch size (shape {shape}); the batch "
+                    f"size must be static to be split into micro_size={micro_size} micro-batches.")
+            if shape[0] == 0:
+                raise ValueError(f"For '{cls_name}', {_label(index, names)} has an empty batch (shape {shape}); there "
+                                 f"is nothing to train on.")
+            if first is None:
+                first = index
+            elif shape[0] != kinds[first][0]:
+                raise ValueError(
+                    f"For '{cls_name}', all inputs split into micro-batches must have the same batch size (axis 0), "
+                    f"but {_label(first, names)} has shape {kinds[first]} and {_label(index, names)} has shape "
+                    f"{shape}. If {_label(index, names)} is shared by the whole batch rather than one row per sample "
+                    f"(e.g. position ids of shape (1, T)), declare it: shared_inputs=({index},).")
+        layout += ((kind, counts[kind]),)
+        counts[kind] += 1
+    if first is None:
         raise ValueError(
-            f"For '{cls_name}', input {index} has shape () but every input must have a batch axis 0 "
-            f"to be split into micro_size={micro_size} micro-batches.")
-    if shape[0] < 0:
-        raise ValueError(
-            f"For '{cls_name}', input {index} has a dynamic batch size (shape {shape}); the batch size must be "
-            f"static to be split into micro_size={micro_size} micro-batches.")
-    if shape[0] == 0:
-        raise ValueError(
-            f"For '{cls_name}', input {index} has an empty batch (shape {shape}); there is nothing to train on.")
-    if shape[0] != first_shape[0]:
-        raise ValueError(
-            f"For '{cls_name}', all inputs must have the same batch size (axis 0) to be split together, "
-            f"but input 0 has shape {first_shape} and input {index} has shape {shape}.")
+            f"For '{cls_name}', no input can be split into micro_size={micro_size} micro-batches: every input is a "
+            f"0-d Tensor, None, a number or declared in shared_inputs={shared_inputs}. At least one input needs a "
+            f"batch axis 0.")
+    return layout
+
+
+def partition(inputs: tuple, layout: tuple) -> Tuple[tuple, tuple, tuple]:
+    """``(split, shared, constants)``: the inputs by their kind in `layout`, each in order."""
+    split, shared, constants = (), (), ()
+    for position in range(len(layout)):
+        kind = layout[position][0]
+        if kind == SPLIT:
+            split += (inputs[position],)
+        elif kind == SHARED:
+            shared += (inputs[position],)
+        else:
+            constants += (inputs[position],)
+    return split, shared, constants
+
+
+def assemble(micro: tuple, shared: tuple, constants: tuple, layout: tuple) -> tuple:
+    """The network's inputs for one micro-batch, in their original order: `micro` holds the split ones."""
+    args = ()
+    for kind, index in layout:
+        if kind == SPLIT:
+            args += (micro[index],)
+        elif kind == SHARED:
+            args += (shared[index],)
+        else:
+            args += (constants[index],)
+    return args
+
+
+def single_element(shape: tuple) -> bool:
+    """Whether a static shape holds exactly one element: ``()``, ``(1,)``, ``(1, 1)``..."""
+    return all(dim == 1 for dim in shape)
 
 
 @primexpr
 def check_loss_output(cls_name: str, per_token_loss: bool, is_tuple: bool, shapes: tuple) -> None:
-    """The network's output must be what `per_token_loss` says: a scalar loss, or a tuple (loss_sum, count) of two
-    scalars. `shapes` holds the shape of each output (one for a single Tensor)."""
+    """The network's output must be what `per_token_loss` says: a single-element loss (shape ``()`` or ``(1,)``, as
+    MindFormers' models return it), or a tuple (loss_sum, count) of two such. `shapes` holds the shape of each output
+    (one for a single Tensor)."""
     returned = (f"a tuple of {len(shapes)} element(s) with shapes {shapes}" if is_tuple
                 else f"a single Tensor of shape {shapes[0]}")
     if per_token_loss:
-        if not is_tuple or len(shapes) != 2 or any(shape for shape in shapes):
+        if not is_tuple or len(shapes) != 2 or not all(single_element(shape) for shape in shapes):
             raise ValueError(
                 f"For '{cls_name}', with per_token_loss=True the argument 'network' must return a tuple (loss_sum, "
-                f"count) of two scalars (e.g. the sum of a masked token loss and the number of valid tokens), but "
+                f"count) of two single-element Tensors (e.g. the sum of a masked token loss and the number of valid tokens), but "
                 f"it returned {returned}. Return (loss_sum, count), or set per_token_loss=False for a mean loss.")
     elif is_tuple:
         raise ValueError(
@@ -63,22 +149,21 @@ def check_loss_output(cls_name: str, per_token_loss: bool, is_tuple: bool, shape
             f"Auxiliary outputs (logits, metrics) are not carried through the accumulation: return only the loss. "
             f"If the tuple is (loss_sum, count), e.g. a masked token loss and the number of valid tokens, pass "
             f"per_token_loss=True.")
-    elif shapes[0]:
+    elif not single_element(shapes[0]):
         raise ValueError(
-            f"For '{cls_name}', the argument 'network' must return a scalar loss (shape ()), but it returned "
-            f"shape {shapes[0]}. Reduce the loss inside the network, e.g. with reduction='mean' in the loss function, "
+            f"For '{cls_name}', the argument 'network' must return a single-element loss (shape () or (1,)), but it "
+            f"returned shape {shapes[0]}. Reduce the loss inside the network, e.g. with reduction='mean' in the loss function, "
             f"or return (loss_sum, count) with per_token_loss=True for a loss normalised by a count such as the "
             f"number of tokens.")
 
 
-def split_batch(inputs: tuple, micro_size: int, cls_name: str) -> Tuple:
-    """Every input split along axis 0 following :func:`plan`: ``((split inputs, count, rows), ...)``.
+def split_batch(inputs: tuple, micro_size: int) -> Tuple:
+    """Every input split along axis 0 following :func:`plan`: ``((split inputs, count, rows), ...)``. The inputs are
+    those :func:`plan_inputs` found to split (same batch size, checked there).
 
     Each part's inputs are reshaped from ``(count * rows, ...)`` to ``(count, rows, ...)``; no row is dropped.
     """
     first_shape = inputs[0].shape
-    for index, x in enumerate(inputs):
-        check_input_shape(cls_name, index, x.shape, first_shape, micro_size)
     parts = ()
     start = 0
     for count, rows in plan(first_shape[0], micro_size):

@@ -15,12 +15,18 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._internals import (ParallelPassMarkers, batch_axis_splits, compile_time, enclosing_train_cell,
                                      parallel_mode, primexpr, scale_left_out)
 from ms_gradaccum._loss_scale import PrecisionNeutral
+from ms_gradaccum._microbatch import input_kinds
 
 _NAME = "GradAccumulationCell"
 
 
-def check_parallel_pass_arguments(explicit_loss_scale: bool, per_token_loss: bool) -> None:
-    """What the parallel pass cannot do: a token loss, a loss scale of the cell's own."""
+def check_parallel_pass_arguments(explicit_loss_scale: bool, per_token_loss: bool, shared_inputs: tuple = ()) -> None:
+    """What the parallel pass cannot do: a token loss, a loss scale of the cell's own, inputs it does not slice."""
+    if shared_inputs:
+        raise ValueError(
+            f"For '{_NAME}', shared_inputs={shared_inputs} is not supported under semi-auto/auto parallel, where "
+            f"MindSpore's parallel pass slices every input along axis 0. Give those inputs one row per sample, or "
+            f"train data parallel.")
     if per_token_loss:
         raise ValueError(
             f"For '{_NAME}', per_token_loss=True is not supported under semi-auto/auto parallel, where MindSpore's "
@@ -49,8 +55,13 @@ def check_parallel_pass_batch(shapes: tuple, splits: tuple, micro_size: int, mod
     :func:`~ms_gradaccum._internals.batch_axis_splits`), since every rank slices its own share.
     """
     for index, shape in enumerate(shapes):
-        if not shape or shape[0] < 0:
-            continue   # no batch axis or a dynamic one: MindSpore's own checks speak for these
+        if shape is None or not shape:
+            raise ValueError(
+                f"For '{_NAME}', under {mode} MindSpore's parallel pass slices every input along axis 0, but input "
+                f"{index} is {'not a Tensor' if shape is None else 'a 0-d Tensor'}. Pass only batched Tensors there, "
+                f"or train data parallel, where such inputs reach every micro-batch.")
+        if shape[0] < 0:
+            continue   # a dynamic batch size: MindSpore's own checks speak for it
         split = splits[index] if len(splits) > 1 else splits[0]
         if shape[0] % (split * micro_size) != 0:
             raise ValueError(
@@ -93,11 +104,8 @@ class ParallelPassAccumulation(PrecisionNeutral):
         return parallel_mode()
 
     def construct(self, *inputs):
-        shapes = ()
-        for x in inputs:
-            shapes += (x.shape,)
         # Before the markers, whose own check would raise MindSpore's message (global rows only) from inside them.
-        check_parallel_pass_batch(shapes, self.batch_splits, self.micro_size, self.mode)
+        check_parallel_pass_batch(input_kinds(inputs), self.batch_splits, self.micro_size, self.mode)
         total = ops.cast(self.markers(*inputs), mstype.float32)
         scaled = total * self.left_out_scale
         # Value: the mean loss (what LossMonitor shows); gradient: that of the scaled sum.

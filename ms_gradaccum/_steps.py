@@ -14,7 +14,7 @@ from ms_gradaccum._internals import (PARALLEL_PASS_MODES, CompileChecks, enclosi
                                      run_compile_checks)
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._validation import (argument_error, check_bool, check_cell, check_has_parameters,
-                                      check_positive_int, warn_batch_norm)
+                                      check_input_indices, check_positive_int, warn_batch_norm)
 
 _NAME = "AccumulatingTrainOneStepCell"
 
@@ -146,12 +146,14 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int, *,
                  micro_size: Optional[int] = None, per_token_loss: Optional[bool] = None,
-                 steps_per_epoch: Optional[int] = None, scale_sense=None, max_grad_norm: Optional[float] = None):
+                 shared_inputs: Optional[tuple] = None, steps_per_epoch: Optional[int] = None, scale_sense=None,
+                 max_grad_norm: Optional[float] = None):
         check_cell(network, "network", _NAME)
         if not isinstance(optimizer, nn.Optimizer):
             raise TypeError(argument_error(_NAME, "optimizer", "a mindspore.nn.Optimizer", optimizer))
         accumulate_steps = check_positive_int(accumulate_steps, "accumulate_steps", _NAME)
-        loss_network, micro_size, per_token_loss = _loss_network(network, micro_size, per_token_loss)
+        loss_network, micro_size, per_token_loss, shared_inputs = _loss_network(network, micro_size, per_token_loss,
+                                                                                shared_inputs)
         if steps_per_epoch is not None:
             steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
         max_grad_norm = _loss_scale.check_max_grad_norm(max_grad_norm, _NAME)
@@ -181,8 +183,9 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
             network.gradient_buffers.for_weights([])
         self.gradient_buffers = GradientBuffers()
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
+        self.shared_inputs = shared_inputs
         self.engine = MicroBatchGradients(loss_network, micro_size, per_token_loss, overwrite=False,
-                                          targets=self._targets, cls_name=_NAME)
+                                          targets=self._targets, cls_name=_NAME, shared_inputs=shared_inputs)
         self.token_totals = TokenTotals(per_token_loss, _NAME)
         self.replicas = ReplicaCheck(self._targets, _NAME)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).
@@ -240,7 +243,9 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         run_compile_checks(self.compile_checks)
         # Under data parallel, the first step first checks that every rank holds the same weights.
         scale = self.replicas(self.loss_scale())
-        value, count = self.engine(ms.mutable(inputs), scale, self._unit(inputs[0].shape[0]), "")
+        split, shared, constants, layout = self.engine.split_inputs(inputs)
+        value, count, loss_like = self.engine(split, shared, constants, layout, scale, self._unit(split[0].shape[0]),
+                                              "")
         # What is returned per call: the batch's mean loss (its token mean for a token loss).
         batch_loss = _buffers.mean_loss(value, count)
         batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_loss_sum, value))
@@ -253,6 +258,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         overflow = Tensor(False, mstype.bool_)
         if ops.logical_or(self.window_position >= self.accumulate_steps, epoch_end):
             overflow = self._apply_window(scale)
+        batch_loss = ops.reshape(batch_loss, loss_like.shape)   # the network's loss shape: () or (1,)
         if self.loss_scaled:
             return batch_loss, overflow, ops.depend(self.loss_scale(), overflow)
         return ops.depend(batch_loss, overflow)
@@ -339,16 +345,20 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         self.steps_per_epoch.set_data(ms.Tensor(value, mstype.int32))
 
 
-def _loss_network(network: nn.Cell, micro_size: Optional[int], per_token_loss: Optional[bool]) -> tuple:
-    """``(loss network, micro_size, per_token_loss)``: a GradAccumulationCell is taken apart into what it holds (the
-    same as passing its arguments here); anything contradicting it, or a nested one, is an error."""
+def _loss_network(network: nn.Cell, micro_size: Optional[int], per_token_loss: Optional[bool],
+                  shared_inputs: Optional[tuple]) -> tuple:
+    """``(loss network, micro_size, per_token_loss, shared_inputs)``: a GradAccumulationCell is taken apart into what
+    it holds (the same as passing its arguments here); anything contradicting it, or a nested one, is an error."""
     if micro_size is not None:
         micro_size = check_positive_int(micro_size, "micro_size", _NAME)
     if per_token_loss is not None:
         per_token_loss = check_bool(per_token_loss, "per_token_loss", _NAME)
+    if shared_inputs is not None:
+        shared_inputs = check_input_indices(shared_inputs, "shared_inputs", _NAME)
     if isinstance(network, GradAccumulationCell):
         for name, given, held in (("micro_size", micro_size, network.micro_size),
-                                  ("per_token_loss", per_token_loss, network.per_token_loss)):
+                                  ("per_token_loss", per_token_loss, network.per_token_loss),
+                                  ("shared_inputs", shared_inputs, network.shared_inputs)):
             if given is not None and given != held:
                 raise ValueError(
                     f"For '{_NAME}', the argument '{name}' is {given!r} but the GradAccumulationCell given as "
@@ -359,11 +369,11 @@ def _loss_network(network: nn.Cell, micro_size: Optional[int], per_token_loss: O
                 f"For '{_NAME}', the GradAccumulationCell given as 'network' has its own loss_scale, which this cell "
                 f"does not use (it scales every micro-batch by its own scale_sense). Build the GradAccumulationCell "
                 f"without loss_scale and pass the scale as scale_sense=... here.")
-        return network.network, network.micro_size, network.per_token_loss
+        return network.network, network.micro_size, network.per_token_loss, network.shared_inputs
     for name, cell in network.cells_and_names():
         if isinstance(cell, GradAccumulationCell):
             raise ValueError(
                 f"For '{_NAME}', a GradAccumulationCell must be the 'network' itself, but it is nested in "
                 f"{type(network).__name__} as '{name}'. Wrap the loss network in GradAccumulationCell last, or "
                 f"pass micro_size here: {_NAME}(loss_net, optimizer, accumulate_steps, micro_size=...).")
-    return network, 1 if micro_size is None else micro_size, bool(per_token_loss)
+    return network, 1 if micro_size is None else micro_size, bool(per_token_loss), shared_inputs or ()

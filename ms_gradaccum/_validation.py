@@ -40,10 +40,22 @@ def check_positive_int(value: Any, arg_name: str, cls_name: str) -> int:
     return check_int(value, 1, f"the argument '{arg_name}'", "a positive int", cls_name)
 
 
+def check_input_indices(value: Any, arg_name: str, cls_name: str) -> tuple:
+    """Return ``value`` as a sorted tuple of distinct input indices (ints >= 0; a single int is one index)."""
+    expected = "a tuple of input indices (ints >= 0), e.g. (1,) for the network's second input"
+    items = (value,) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+    if not isinstance(items, (tuple, list)):
+        raise TypeError(argument_error(cls_name, arg_name, expected, value))
+    indices = tuple(check_int(item, 0, f"every index in '{arg_name}'", "an int >= 0", cls_name) for item in items)
+    if len(set(indices)) != len(indices):
+        raise ValueError(argument_error(cls_name, arg_name, expected + ", each once", value))
+    return tuple(sorted(indices))
+
+
 def check_cell(value: Any, arg_name: str, cls_name: str) -> nn.Cell:
     """Return ``value`` if it is a ``mindspore.nn.Cell``."""
     if not isinstance(value, nn.Cell):
-        raise TypeError(argument_error(cls_name, arg_name, "a mindspore.nn.Cell returning a scalar loss", value))
+        raise TypeError(argument_error(cls_name, arg_name, "a mindspore.nn.Cell returning a single-element loss", value))
     return value
 
 

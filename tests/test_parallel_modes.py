@@ -282,4 +282,8 @@ def test_parallel_modes_each_rank_batch_must_split_evenly(shapes, splits, messag
     with pytest.raises(ValueError, match=r"under semi_auto_parallel .*" + message + r".*drop_remainder=True"):
         check(shapes, splits, K, "semi_auto_parallel")
     check(((256, 784), (256,)), (8,), K, "semi_auto_parallel")   # 32 rows per rank: 4 micro-batches of 8
-    check(((16, 16), (16,), ()), (4, 1, 1), K, "semi_auto_parallel")   # 4 per rank; a scalar input has no batch axis
+    check(((16, 16), (16,)), (4, 1), K, "semi_auto_parallel")   # 4 rows per rank of input 0
+    # Inputs the pass cannot slice (the stand-alone loop passes them to every micro-batch).
+    for kind, what in (((), "a 0-d Tensor"), (None, "not a Tensor")):
+        with pytest.raises(ValueError, match=rf"slices every input along axis 0, but input 1 is {what}"):
+            check(((16, 16), kind), (1,), K, "semi_auto_parallel")

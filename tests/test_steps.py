@@ -179,7 +179,7 @@ def test_steps_resume_mid_window_equals_uninterrupted_run(tmp_path, stop_after):
     (dict(accumulate_steps=2.5), TypeError, "the argument 'accumulate_steps' must be a positive int, but got 2.5"),
     (dict(steps_per_epoch=0), ValueError, "the argument 'steps_per_epoch' must be a positive int, but got 0 (int)"),
     (dict(optimizer="sgd"), TypeError, "the argument 'optimizer' must be a mindspore.nn.Optimizer, but got 'sgd'"),
-    (dict(network=None), TypeError, "the argument 'network' must be a mindspore.nn.Cell returning a scalar loss"),
+    (dict(network=None), TypeError, "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss"),
 ])
 def test_steps_bad_arguments_rejected(kwargs, error, message):
     net = make_mlp()

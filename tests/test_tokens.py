@@ -140,7 +140,7 @@ def test_tokens_per_token_loss_with_a_scalar_loss_is_refused():
     cell = GradAccumulationCell(nn.WithLossCell(net, ce()), K, per_token_loss=True)
     x, y = classification_batches(1, 16)[0]
     with pytest.raises(ValueError, match=re.escape(
-            "with per_token_loss=True the argument 'network' must return a tuple (loss_sum, count) of two scalars "
+            "with per_token_loss=True the argument 'network' must return a tuple (loss_sum, count) of two single-element Tensors "
             "(e.g. the sum of a masked token loss and the number of valid tokens), but it returned a single Tensor of "
             "shape (). Return (loss_sum, count), or set per_token_loss=False for a mean loss.")):
         cell(Tensor(x), Tensor(y))

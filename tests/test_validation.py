@@ -30,9 +30,9 @@ def test_validation_micro_size_rejected(micro_size, error, message):
 
 
 @pytest.mark.parametrize("network, message", [
-    (None, "the argument 'network' must be a mindspore.nn.Cell returning a scalar loss, but got None (NoneType)"),
-    (lambda x, y: x, "the argument 'network' must be a mindspore.nn.Cell returning a scalar loss, but got <function"),
-    ("net", "the argument 'network' must be a mindspore.nn.Cell returning a scalar loss, but got 'net' (str)"),
+    (None, "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss, but got None (NoneType)"),
+    (lambda x, y: x, "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss, but got <function"),
+    ("net", "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss, but got 'net' (str)"),
 ])
 def test_validation_network_not_a_cell_rejected(network, message):
     with pytest.raises(TypeError, match=re.escape("For 'GradAccumulationCell', " + message)):
@@ -69,8 +69,10 @@ def test_validation_batch_sizes_differ_rejected():
     cell = GradAccumulationCell(_loss_net(), 2)
     x, _ = _data(8)
     _, y = _data(6)
-    expected = ("all inputs must have the same batch size (axis 0) to be split together, "
-                "but input 0 has shape (8, 16) and input 1 has shape (6,)")
+    expected = ("all inputs split into micro-batches must have the same batch size (axis 0), but input 0 ('data') has "
+                "shape (8, 16) and input 1 ('label') has shape (6,). If input 1 ('label') is shared by the whole "
+                "batch rather than one row per sample (e.g. position ids of shape (1, T)), declare it: "
+                "shared_inputs=(1,).")
     with pytest.raises(ValueError, match=re.escape(expected)):
         cell(x, y)
 
@@ -88,7 +90,8 @@ class _PerSampleLoss(nn.Cell):
 def test_validation_non_scalar_loss_rejected():
     cell = GradAccumulationCell(_PerSampleLoss(), 2)
     x, y = _data(8)
-    expected = ("the argument 'network' must return a scalar loss (shape ()), but it returned shape (4,). "
+    expected = ("the argument 'network' must return a single-element loss (shape () or (1,)), but it returned shape "
+                "(4,). "
                 "Reduce the loss inside the network, e.g. with reduction='mean'")
     with pytest.raises(ValueError, match=re.escape(expected)):
         cell(x, y)
@@ -103,11 +106,14 @@ class _ScalarInputLoss(nn.Cell):
         return self.net(x).mean() * scale
 
 
-def test_validation_input_without_batch_axis_rejected():
+def test_validation_input_without_any_batch_axis_rejected():
+    # A 0-d Tensor reaches every micro-batch whole (tests/test_inputs.py); with no input to split there is no batch.
     cell = GradAccumulationCell(_ScalarInputLoss(), 2)
-    x, _ = _data(8)
-    with pytest.raises(ValueError, match=re.escape("input 1 has shape () but every input must have a batch axis 0")):
-        cell(x, Tensor(np.float32(2.0)))
+    with pytest.raises(ValueError, match=re.escape("no input can be split into micro_size=2 micro-batches: every "
+                                                   "input is a 0-d Tensor, None, a number or declared in "
+                                                   "shared_inputs=(0,)")):
+        GradAccumulationCell(_ScalarInputLoss(), 2, shared_inputs=(0,))(_data(8)[0], Tensor(np.float32(2.0)))
+    assert cell is not None
 
 
 class _TupleLoss(nn.Cell):
@@ -131,7 +137,7 @@ def test_validation_other_tuple_outputs_rejected_with_per_token_loss(kind, descr
     cell = GradAccumulationCell(_TupleLoss(kind), 2, per_token_loss=True)
     x, y = _data(8)
     expected = ("For 'GradAccumulationCell', with per_token_loss=True the argument 'network' must return a tuple "
-                "(loss_sum, count) of two scalars (e.g. the sum of a masked token loss and the number of valid tokens), "
+                "(loss_sum, count) of two single-element Tensors (e.g. the sum of a masked token loss and the number of valid tokens), "
                 f"but it returned {described}. Return (loss_sum, count), or set per_token_loss=False for a mean loss.")
     with pytest.raises(ValueError, match=re.escape(expected)):
         cell(x, y)
