@@ -5,8 +5,9 @@ from ms_gradaccum._check import EquivalenceReport as EquivalenceReport
 from ms_gradaccum._check import check_equivalence as check_equivalence
 from ms_gradaccum._scheduler import GradAccumulationScheduler as GradAccumulationScheduler
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell as AccumulatingTrainOneStepCell
+from ms_gradaccum._tokens import token_sum_loss as token_sum_loss
 
 __version__ = "0.1.0"
 
 __all__ = ["AccumulatingTrainOneStepCell", "EquivalenceReport", "GradAccumulationCell", "GradAccumulationScheduler",
-           "__version__", "check_equivalence"]
+           "__version__", "check_equivalence", "token_sum_loss"]

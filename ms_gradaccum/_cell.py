@@ -1,4 +1,6 @@
 """GradAccumulationCell: validate, wire the parts, ``construct`` (the hand-over to the wrapping train cell)."""
+from typing import Optional
+
 import mindspore as ms
 from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
@@ -13,6 +15,7 @@ from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, ZEROS_LI
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
+from ms_gradaccum._tokens import warn_token_mean
 from ms_gradaccum._validation import (check_bool, check_cell, check_has_parameters, check_input_indices,
                                       check_positive_int, no_trained_weights_error, warn_batch_norm)
 
@@ -45,7 +48,7 @@ def validate_arguments(network, micro_size, per_token_loss, shared_inputs) -> tu
     """The checks run before assigning anything: ``(micro_size, per_token_loss, shared_inputs)``."""
     check_cell(network, "network", _NAME)
     micro_size = check_positive_int(micro_size, "micro_size", _NAME)
-    per_token_loss = check_bool(per_token_loss, "per_token_loss", _NAME)
+    per_token_loss = False if per_token_loss is None else check_bool(per_token_loss, "per_token_loss", _NAME)
     shared_inputs = check_input_indices(shared_inputs, "shared_inputs", _NAME)
     check_has_parameters(network, "network", _NAME)
     return micro_size, per_token_loss, shared_inputs
@@ -118,17 +121,24 @@ class GradAccumulationCell(PrecisionNeutral):
             ``None``: that of the train cell wrapping this one (1.0 if none). A number or scalar Tensor: fixed.
             A Parameter is read live at every step, e.g. ``mindspore.amp.DynamicLossScaler(...).scale_value`` in
             a functional training step. Default: ``None``.
-        per_token_loss (bool): Whether `network` returns ``(loss_sum, count)``, two single-element Tensors (for a
-            loss cell that returns a mean over valid tokens, :func:`token_sum_loss` makes it so): the gradient is then
-            divided by the count of the whole batch. A batch whose total count is 0 hands over a zero gradient
-            and returns loss 0 (under ``nn.TrainOneStepCell`` the optimizer still steps on that zero gradient;
-            :class:`AccumulatingTrainOneStepCell` skips such a step exactly). Default: ``False``.
+        per_token_loss (bool, optional): Whether `network` returns ``(loss_sum, count)``, two single-element Tensors
+            (for a loss cell that returns a mean over valid tokens, :func:`token_sum_loss` makes it so): the gradient
+            is then divided by the count of the whole batch. A batch whose total count is 0 hands over a zero
+            gradient and returns loss 0 (under ``nn.TrainOneStepCell`` the optimizer still steps on that zero
+            gradient; :class:`AccumulatingTrainOneStepCell` skips such a step exactly). ``None`` means ``False``, but
+            a network holding a loss that averages over valid tokens (``nn.CrossEntropyLoss``/``nn.NLLLoss`` with
+            ``reduction='mean'``, MindFormers' ``CrossEntropyLoss``) then gets a ``UserWarning`` at construction:
+            pass ``False`` to declare that every row holds the same number of valid tokens. Default: ``None``.
+        shared_inputs (Union[int, tuple[int]]): Indices of the inputs that every micro-batch receives whole instead of
+            split, e.g. position ids of shape ``(1, T)`` shared by the batch. None, Python numbers and 0-d Tensors
+            are always passed whole. Not supported under semi-auto/auto parallel. Default: ``()``.
 
     Inputs:
-        - **\*inputs** (Tensor) - The inputs of `network`, all with the same batch size :math:`B` on axis 0.
+        - **\*inputs** (Tensor) - The inputs of `network`. Tensors are split along axis 0 (all with the same batch
+          size :math:`B`) unless declared in `shared_inputs` or 0-d; None and Python numbers reach every micro-batch.
 
     Outputs:
-        Tensor, a float32 scalar: the full-batch loss, i.e. the row-weighted mean of the micro-batch losses, or
+        Tensor, float32, of the network's loss shape (``()`` or ``(1,)``): the full-batch loss, i.e. the row-weighted mean of the micro-batch losses, or
         ``sum(loss_sum) / sum(count)`` with `per_token_loss`. ``LossMonitor`` prints this number.
 
     Raises:
@@ -162,8 +172,9 @@ class GradAccumulationCell(PrecisionNeutral):
         ()
     """
 
-    def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: bool = False,
+    def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: Optional[bool] = None,
                  shared_inputs: tuple = ()):
+        declared = per_token_loss is not None
         micro_size, per_token_loss, shared_inputs = validate_arguments(network, micro_size, per_token_loss,
                                                                        shared_inputs)
         scale = _loss_scale.for_grad_accumulation_cell(loss_scale, self, network, _NAME)
@@ -171,10 +182,13 @@ class GradAccumulationCell(PrecisionNeutral):
             check_parallel_pass_arguments(loss_scale is not None, per_token_loss, shared_inputs)
         if micro_size > 1:
             warn_batch_norm(network, _NAME, f"micro_size={micro_size} micro-batches")
+            if not declared:
+                warn_token_mean(network, _NAME)
         super().__init__(auto_prefix=False)
         self.network = network
         self.micro_size = micro_size
         self.per_token_loss = per_token_loss
+        self.declared_per_token_loss = declared
         self.shared_inputs = shared_inputs
         self.explicit_loss_scale = loss_scale is not None
         self.loss_scale = scale

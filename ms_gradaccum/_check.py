@@ -15,6 +15,7 @@ import mindspore.dataset as ds
 from mindspore import nn
 
 from ms_gradaccum._cell import GradAccumulationCell
+from ms_gradaccum._tokens import token_mean_cells
 from ms_gradaccum._validation import batch_norm_cells, check_positive_int
 
 _NAME = "check_equivalence"
@@ -81,6 +82,11 @@ def _likely_causes(network: nn.Cell, actual: dict, expected: dict, initial: dict
             causes.append(f"a loss that is not a mean over the batch: the accumulated update is {ratio:.3g}x the "
                           f"full batch's (micro_size={micro_size}); reduce the loss with a mean, or return "
                           f"(loss_sum, count)")
+    tokens = token_mean_cells(network)
+    if tokens:
+        causes.append(f"a loss that averages over valid tokens ({'; '.join(tokens)}): micro-batches with different "
+                      f"numbers of valid tokens are weighted by rows; return (loss_sum, count) with token_sum_loss and "
+                      f"per_token_loss=True")
     if not causes:
         causes.append("none visible (no BatchNorm, no dropout, update sizes agree): look for other state that "
                       "depends on the batch, or a tolerance too tight for this precision")

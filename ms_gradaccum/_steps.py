@@ -13,6 +13,7 @@ from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._internals import (PARALLEL_PASS_MODES, CompileChecks, enclosing_optimizer, parallel_mode, primexpr,
                                      run_compile_checks)
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
+from ms_gradaccum._tokens import warn_token_mean
 from ms_gradaccum._validation import (argument_error, check_bool, check_cell, check_has_parameters,
                                       check_input_indices, check_positive_int, warn_batch_norm)
 
@@ -152,6 +153,8 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         if not isinstance(optimizer, nn.Optimizer):
             raise TypeError(argument_error(_NAME, "optimizer", "a mindspore.nn.Optimizer", optimizer))
         accumulate_steps = check_positive_int(accumulate_steps, "accumulate_steps", _NAME)
+        declared = per_token_loss is not None or (isinstance(network, GradAccumulationCell) and
+                                                   network.declared_per_token_loss)
         loss_network, micro_size, per_token_loss, shared_inputs = _loss_network(network, micro_size, per_token_loss,
                                                                                 shared_inputs)
         if steps_per_epoch is not None:
@@ -163,6 +166,8 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         parts += [f"accumulate_steps={accumulate_steps} batches per optimizer step"] if accumulate_steps > 1 else []
         if parts:
             warn_batch_norm(loss_network, _NAME, " and ".join(parts))
+            if not declared:
+                warn_token_mean(loss_network, _NAME)
         if scale_sense is not None and float(getattr(optimizer, "loss_scale", 1.0)) != 1.0:
             raise ValueError(
                 f"For '{_NAME}', the optimizer's loss_scale must be 1.0 when 'scale_sense' is given (this cell "

@@ -1,12 +1,13 @@
 """Token-normalised losses: per_token_loss=True and (loss_sum, count) networks, divided by the whole batch's count."""
 import re
+import warnings
 
 import numpy as np
 import mindspore as ms
 import pytest
-from mindspore import nn, Tensor
+from mindspore import nn, ops, Tensor
 
-from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, check_equivalence, token_sum_loss
 from helpers import (assert_params_close, assert_params_equal, assert_params_moved, ce, classification_batches,
                      make_mlp, make_optimizer, make_token_net, max_abs_diff, params_of, token_batches, TokenLoss,
                      train_steps)
@@ -229,3 +230,116 @@ def test_tokens_accumulating_cell_refuses_an_inner_loss_scale():
     with pytest.raises(ValueError, match="has its own loss_scale, which this cell does not use"):
         AccumulatingTrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, ce()), K, loss_scale=8.0),
                                      nn.SGD(net.trainable_params(), 0.1), 1)
+
+
+# --- losses that average over valid tokens: token_sum_loss, the warning, check_equivalence ---------------------------
+
+def _ignored_label_batches(steps=3, batch=32, ignore_index=-100):
+    """Batches whose ignored labels fall unevenly: most in the first micro-batch, none in the last."""
+    batches = []
+    for x, y in classification_batches(steps, batch, seed=7):
+        y = y.copy()
+        y[:6] = ignore_index
+        y[batch // 2:batch // 2 + 2] = ignore_index
+        batches.append((x, y))
+    return batches
+
+
+_WEIGHT = np.array([0.5, 1.0, 2.0, 1.5], np.float32)
+TOKEN_MEAN_LOSSES = {
+    "cross_entropy": lambda: nn.CrossEntropyLoss(ignore_index=-100),
+    "weighted_smoothed": lambda: nn.CrossEntropyLoss(weight=Tensor(_WEIGHT), ignore_index=-100, label_smoothing=0.1),
+    "nll": lambda: nn.NLLLoss(ignore_index=-100),
+}
+
+
+class _LogSoftmaxNet(nn.Cell):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def construct(self, x):
+        return ops.log_softmax(self.net(x), -1)
+
+
+def _token_mean_run(name, wrap, batches, optimizer="adam"):
+    net = make_mlp()
+    backbone = _LogSoftmaxNet(net) if name == "nll" else net
+    initial = params_of(net)
+    step = wrap(backbone, TOKEN_MEAN_LOSSES[name](), make_optimizer(optimizer, net.trainable_params()))
+    losses = train_steps(step, batches)
+    return params_of(net), losses, initial
+
+
+@pytest.mark.parametrize("name", sorted(TOKEN_MEAN_LOSSES))
+@pytest.mark.parametrize("cell", ["GradAccumulationCell", "AccumulatingTrainOneStepCell"])
+def test_tokens_token_sum_loss_matches_the_full_batch_token_mean(name, cell):
+    batches = _ignored_label_batches()
+    expected, expected_losses, initial = _token_mean_run(
+        name, lambda net, loss, opt: nn.TrainOneStepCell(nn.WithLossCell(net, loss), opt), batches)
+
+    def accumulate(net, loss, opt, exact=True):
+        loss_net = nn.WithLossCell(net, token_sum_loss(loss) if exact else loss)
+        if cell == "GradAccumulationCell":
+            return nn.TrainOneStepCell(GradAccumulationCell(loss_net, K, per_token_loss=exact), opt)
+        return AccumulatingTrainOneStepCell(loss_net, opt, 1, micro_size=K, per_token_loss=exact)
+
+    actual, losses, _ = _token_mean_run(name, accumulate, batches)
+    assert_params_moved(expected, initial)
+    assert_params_close(actual, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    # Negative control: the same loss averaged per micro-batch and weighted by rows (declared a row mean).
+    control, _, _ = _token_mean_run(name, lambda net, loss, opt: accumulate(net, loss, opt, exact=False), batches)
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(control, expected, rtol=1e-5, atol=1e-6)
+
+
+def _token_mean_warnings(build):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        build()
+    return [str(w.message) for w in record if "the loss averages over valid tokens" in str(w.message)]
+
+
+def test_tokens_token_mean_loss_without_per_token_loss_is_warned_with_the_fix():
+    loss_net = lambda: nn.WithLossCell(make_mlp(), nn.CrossEntropyLoss(weight=Tensor(_WEIGHT)))   # noqa: E731
+    messages = _token_mean_warnings(lambda: GradAccumulationCell(loss_net(), K))
+    assert len(messages) == 1
+    assert messages[0].startswith("GradAccumulationCell: the loss averages over valid tokens: _loss_fn "
+                                  "(CrossEntropyLoss: mean over the labels that are not ignore_index=-100, weighted by "
+                                  "class).")
+    assert "ms_gradaccum.token_sum_loss(loss_fn)" in messages[0] and "per_token_loss=False to say so" in messages[0]
+    net = make_mlp()
+    opt = make_optimizer("sgd", net.trainable_params())
+    assert len(_token_mean_warnings(lambda: AccumulatingTrainOneStepCell(
+        nn.WithLossCell(net, nn.NLLLoss()), opt, 2))) == 1
+    # Declared either way, or nothing split: no warning.
+    assert not _token_mean_warnings(lambda: GradAccumulationCell(loss_net(), K, per_token_loss=False))
+    assert not _token_mean_warnings(lambda: GradAccumulationCell(loss_net(), 1))
+    assert not _token_mean_warnings(lambda: GradAccumulationCell(
+        nn.WithLossCell(make_mlp(), token_sum_loss(nn.CrossEntropyLoss())), K, per_token_loss=True))
+    assert not _token_mean_warnings(lambda: AccumulatingTrainOneStepCell(
+        GradAccumulationCell(loss_net(), K, per_token_loss=False), opt, 1))
+    assert not _token_mean_warnings(lambda: GradAccumulationCell(nn.WithLossCell(make_mlp(), ce()), K))
+
+
+@pytest.mark.parametrize("loss_fn, error, message", [
+    (nn.CrossEntropyLoss(reduction="sum"), ValueError, r"'loss_fn' must be a loss with reduction='mean', but got .* It "
+                                                       r"has reduction='sum': a sum needs no count\."),
+    (nn.MSELoss(), TypeError, r"'loss_fn' must be mindspore.nn.CrossEntropyLoss or mindspore.nn.NLLLoss with "
+                              r"reduction='mean', or MindFormers' CrossEntropyLoss, but got .*MSELoss"),
+    ("ce", TypeError, r"For 'token_sum_loss', the argument 'loss_fn' must be"),
+])
+def test_tokens_token_sum_loss_refuses_what_it_cannot_count(loss_fn, error, message):
+    with pytest.raises(error, match=message):
+        token_sum_loss(loss_fn)
+
+
+def test_tokens_check_equivalence_names_a_token_mean_loss():
+    batches = _ignored_label_batches(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = check_equivalence(lambda: nn.WithLossCell(make_mlp(), nn.CrossEntropyLoss()), batches, K)
+    assert not report.passed
+    assert any(cause.startswith("a loss that averages over valid tokens (_loss_fn (CrossEntropyLoss") for cause in
+               report.causes), report.causes

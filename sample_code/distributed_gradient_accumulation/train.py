@@ -222,7 +222,10 @@ def main(argv=None) -> int:
     net = Network()
     loss_fn = nn.CrossEntropyLoss()
     optimizer = nn.SGD(net.trainable_params(), args.lr)
-    model = Model(GradAccumulationCell(nn.WithLossCell(net, loss_fn), args.micro_size), optimizer=optimizer)
+    # per_token_loss=False declares the loss a plain mean over rows: nn.CrossEntropyLoss averages over the labels that
+    # are not ignore_index, and every image here has exactly one label (the cell warns where that is not declared).
+    model = Model(GradAccumulationCell(nn.WithLossCell(net, loss_fn), args.micro_size, per_token_loss=False),
+                  optimizer=optimizer)
     last = _LastLoss()
     print(f"[rank {rank}] mode {mode}, {group} rank(s), data {data_path}, {train_set.get_dataset_size()} steps "
           f"per epoch of batch {args.batch_size} = {split_description(args.batch_size, args.micro_size)}{left_out}",
