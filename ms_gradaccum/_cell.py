@@ -10,8 +10,8 @@ from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, ZEROS_LIKE, CompileChecks,
                                      TrainGradAccuStepCell, bprops_calling_zeros_like, compile_time, compiling_graph,
-                                     differentiated_weights, enclosing_optimizer, enclosing_train_cell, parallel_mode,
-                                     primexpr, run_compile_checks)
+                                     differentiated_weights, enclosing_loss_wrapper, enclosing_optimizer,
+                                     enclosing_train_cell, parallel_mode, primexpr, run_compile_checks)
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
@@ -26,6 +26,19 @@ _NAME = "GradAccumulationCell"
 @primexpr
 def _count_unit(batch: int, micro_size: int) -> float:
     return float(_buffers.count_unit(batch, micro_size))
+
+
+def check_loss_inside(cell: nn.Cell) -> None:
+    """Refuse a cell whose output another cell turns into the loss (``Model(cell, loss_fn=...)`` builds one): it is
+    given only the data, so it cannot split the labels with it, and would accumulate the gradient of its output."""
+    wrapper = enclosing_loss_wrapper(cell)
+    if wrapper is not None:
+        raise ValueError(
+            f"For '{_NAME}', the loss must be computed inside the cell, but it is the backbone of "
+            f"{type(wrapper).__name__}, which computes the loss of its output (Model(GradAccumulationCell(network, "
+            f"micro_size), loss_fn=..., optimizer=...) builds one around it). The cell would receive the data without "
+            f"its labels. Put the loss inside: Model(GradAccumulationCell(nn.WithLossCell(network, loss_fn), "
+            f"micro_size), optimizer=...).")
 
 
 def check_bprops(network: nn.Cell, micro_size: int) -> None:
@@ -206,6 +219,7 @@ class GradAccumulationCell(PrecisionNeutral):
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see _internals.CompileChecks."""
         check_data_parallel_ready(_NAME)
+        check_loss_inside(self)
         wrapper = enclosing_train_cell(self)
         if self.parallel_pass:
             check_parallel_pass_arguments(self.explicit_loss_scale, self.per_token_loss, self.shared_inputs)

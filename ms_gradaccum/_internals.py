@@ -166,6 +166,12 @@ def enclosing_train_cell(cell: nn.Cell) -> Optional[nn.TrainOneStepCell]:
     return next((c for c in _enclosing_cells(cell) if isinstance(c, nn.TrainOneStepCell)), None)
 
 
+def enclosing_loss_wrapper(cell: nn.Cell) -> Optional[nn.Cell]:
+    """The cell around `cell` that computes a loss of its output, holding it as ``_backbone`` (``nn.WithLossCell``, and
+    the one ``Model(network, loss_fn=...)`` builds in mindspore/train/amp.py::_add_loss_network); ``None`` if none."""
+    return next((c for c in _enclosing_cells(cell) if c.__dict__.get("_cells", {}).get("_backbone") is cell), None)
+
+
 def enclosing_optimizer(cell: nn.Cell) -> Optional[nn.Optimizer]:
     """The optimizer of the innermost cell around `cell` that holds one as ``.optimizer`` (every
     ``nn.TrainOneStepCell``, and hand-written train cells written as MindSpore's tutorials write them);

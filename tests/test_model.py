@@ -120,3 +120,21 @@ def test_model_checkpoint_loads_into_bare_network_and_resumes_exactly(tmp_path):
         ms.load_param_into_net(optimizer, state)
         Model(resumed_cell, optimizer=optimizer).train(1, _dataset().skip(2), dataset_sink_mode=False)
         assert_params_close(params_of(resumed), params_of(net), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+def test_model_loss_fn_style_is_refused_with_the_form_that_works(mode):
+    # Model(cell, loss_fn=...) builds a WithLossCell around the cell: it would get the data without its labels.
+    ms.set_context(mode=mode)
+    net = make_mlp()
+    initial = params_of(net)
+    model = Model(GradAccumulationCell(net, 4), loss_fn=ce(), optimizer=make_optimizer("sgd", net.trainable_params()))
+    message = (r"For 'GradAccumulationCell', the loss must be computed inside the cell, but it is the backbone of "
+               r"WithLossCell, .* Put the loss inside: Model\(GradAccumulationCell\(nn.WithLossCell\(network, "
+               r"loss_fn\), micro_size\), optimizer=...\)")
+    with pytest.raises(ValueError, match=message):
+        model.train(1, _dataset(), dataset_sink_mode=False)
+    with pytest.raises(ValueError, match=message):   # the same built by hand
+        nn.TrainOneStepCell(nn.WithLossCell(GradAccumulationCell(net, 4), ce()),
+                            make_optimizer("sgd", net.trainable_params()))(*next(_dataset().create_tuple_iterator()))
+    assert all(np.array_equal(value, initial[name]) for name, value in params_of(net).items())

@@ -1,0 +1,207 @@
+"""Models nobody here wrote, at tiny configs on CPU, against the plain full batch: MindFormers' LLaMA (its own loss
+with custom bprops and a (1,) loss, -100 labels, right-padded ragged batches through the token route, shared position
+ids, Model.train) and mindcv's ViT. Skipped, saying why, where a library is absent."""
+import warnings
+
+import numpy as np
+import mindspore as ms
+import mindspore.dataset as ds
+import pytest
+from mindspore import nn, Tensor
+from mindspore.train import LossMonitor, Model
+
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, token_sum_loss
+from helpers import (assert_params_moved, assert_updates_close, ce, classification_batches, make_optimizer, params_of,
+                     RecordLoss, update_ratios)
+
+mindformers = pytest.importorskip("mindformers", reason="MindFormers is not installed (.ci/run installs 2.1.0)")
+mindcv = pytest.importorskip("mindcv", reason="mindcv is not installed (.ci/run installs it)")
+
+K = 4
+BATCH, SEQ, VOCAB, PAD = 8, 8, 64, 0
+# Of each parameter's own full-batch update: float32 summation order differs between the two paths.
+FRACTION = 1e-3   # check_equivalence's tolerance; measured worst: 3.7e-4 (attention wq, tiny and cancelling gradients)
+MOVED = dict(min_change=1e-6)
+MODES = [pytest.param(ms.GRAPH_MODE, id="graph"), pytest.param(ms.PYNATIVE_MODE, id="pynative")]
+
+
+def make_llama(per_token: bool = False) -> nn.Cell:
+    """A one-layer LLaMA in float32, the same weights every time. CPU has no RmsNorm kernel and no 4-D x 2-D
+    BatchMatMul, hence fused_rms_norm=False and use_rope_slice=True (the same model otherwise)."""
+    from mindformers import LlamaConfig, LlamaForCausalLM   # pylint: disable=import-outside-toplevel
+    ms.set_seed(0)
+    config = LlamaConfig(batch_size=1, seq_length=SEQ, hidden_size=32, num_layers=1, num_heads=2, vocab_size=VOCAB,
+                         pad_token_id=PAD, compute_dtype="float32", layernorm_compute_type="float32",
+                         softmax_compute_type="float32", rotary_dtype="float32", param_init_type="float32",
+                         use_flash_attention=False, use_past=False, use_rope_slice=True, fused_rms_norm=False,
+                         calculate_per_token_loss=per_token)
+    model = LlamaForCausalLM(config)
+    model.set_train(True)
+    return model
+
+
+def _accumulating(model, optimizer):
+    """The train cell that carries MindFormers' loss in each mode: in a compiled graph its bprops call
+    mindspore.ops.zeros_like, which MindSpore cannot compile nested (test_bprop); in PyNative either cell."""
+    if ms.get_context("mode") == ms.GRAPH_MODE:
+        return AccumulatingTrainOneStepCell(model, optimizer, 1, micro_size=K)
+    return nn.TrainOneStepCell(GradAccumulationCell(model, K), optimizer)
+
+
+def _report(name, actual, expected, initial):
+    worst = max(update_ratios(actual, expected, initial).items(), key=lambda item: item[1])
+    print(f"[{name}] worst parameter {worst[0]}: {worst[1]:.2e} of its update")
+
+
+def _train(model, wrap, batches, optimizer="momentum"):
+    initial = params_of(model)
+    step = wrap(model, make_optimizer(optimizer, model.trainable_params()))
+    losses = [step(*batch) for batch in batches]
+    return params_of(model), losses, initial
+
+
+def _token_batches(steps=3, seed=0):
+    """Right-padded sequences of uneven lengths (pad 0) whose prompts are masked with -100 labels."""
+    rng = np.random.RandomState(seed)
+    batches = []
+    for _ in range(steps):
+        ids = rng.randint(1, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
+        lengths = rng.randint(3, SEQ + 2, BATCH)
+        lengths[:2] = SEQ + 1                                   # the first micro-batch is full, others are short
+        labels = ids.copy()
+        for row, length in enumerate(lengths):
+            ids[row, length:] = PAD
+            labels[row, length:] = -100
+            labels[row, :rng.randint(1, 4)] = -100              # the prompt
+        batches.append((Tensor(ids), Tensor(labels)))
+    return batches
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
+def test_real_models_llama_own_loss_trains_like_the_full_batch(mode, optimizer):
+    ms.set_context(mode=mode)
+    batches = [(Tensor(np.random.RandomState(s).randint(1, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)),)
+               for s in range(3)]
+    expected, expected_losses, initial = _train(make_llama(), nn.TrainOneStepCell, batches, optimizer)
+    actual, losses, _ = _train(make_llama(), _accumulating, batches, optimizer)
+    assert_params_moved(expected, initial, **MOVED)
+    _report("llama_own_loss_trains_like_the_full_batch", actual, expected, initial)
+    assert_updates_close(actual, expected, initial, fraction=FRACTION)
+    assert all(loss.shape == (1,) for loss in losses)        # MindFormers' loss shape, as its train cells return it
+    np.testing.assert_allclose([l.asnumpy() for l in losses], [l.asnumpy() for l in expected_losses], rtol=1e-5)
+
+
+def test_real_models_llama_gradaccumulationcell_in_graph_mode_names_mindformers_loss_cells():
+    model = make_llama()
+    step = nn.TrainOneStepCell(GradAccumulationCell(model, K), make_optimizer("sgd", model.trainable_params()))
+    with pytest.raises(RuntimeError, match=r"holds cells whose bprop calls mindspore.ops.zeros_like: loss._log_softmax "
+                                           r"\(_LogSoftmax\), loss._nllloss \(_NLLLoss\)\..*AccumulatingTrainOneStep"):
+        step(Tensor(np.ones((BATCH, SEQ + 1), np.int32)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("route", ["config", "token_sum_loss"])
+def test_real_models_llama_ragged_masked_batches_through_the_token_route(mode, route):
+    # The full batch's loss is the mean over all its valid tokens; micro-batches hold very different numbers of them.
+    ms.set_context(mode=mode)
+    batches = _token_batches()
+    expected, expected_losses, initial = _train(make_llama(), nn.TrainOneStepCell, batches)
+
+    def per_token_model():
+        if route == "config":
+            return make_llama(per_token=True)          # MindFormers' own (sum, count) mode
+        model = make_llama()
+        model.loss = token_sum_loss(model.loss)        # the same, on a model already built
+        return model
+
+    def wrap(model, optimizer, exact=True):
+        if ms.get_context("mode") == ms.GRAPH_MODE:
+            return AccumulatingTrainOneStepCell(model, optimizer, 1, micro_size=K, per_token_loss=exact)
+        return nn.TrainOneStepCell(GradAccumulationCell(model, K, per_token_loss=exact), optimizer)
+
+    actual, losses, _ = _train(per_token_model(), wrap, batches)
+    assert_params_moved(expected, initial, **MOVED)
+    _report("llama_ragged_masked_batches_through_the_token_route", actual, expected, initial)
+    assert_updates_close(actual, expected, initial, fraction=FRACTION)
+    np.testing.assert_allclose([float(l.asnumpy().reshape(-1)[0]) for l in losses],
+                               [float(l.asnumpy().reshape(-1)[0]) for l in expected_losses], rtol=1e-5)
+    # Negative control: MindFormers' mean per micro-batch, weighted by rows (declared so: no warning).
+    control, _, _ = _train(make_llama(), lambda m, o: wrap(m, o, exact=False), batches)
+    with pytest.raises(AssertionError, match="differs from the reference by"):
+        assert_updates_close(control, expected, initial, fraction=FRACTION)
+
+
+def test_real_models_llama_loss_without_the_token_route_is_warned():
+    with pytest.warns(UserWarning, match=r"the loss averages over valid tokens: loss \(MindFormers CrossEntropyLoss: "
+                                         r"mean over the tokens its input_mask keeps\)"):
+        GradAccumulationCell(make_llama(), K)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_real_models_llama_shared_position_ids_and_none_inputs_pass_through(mode):
+    # model(input_ids, labels, input_position=None, position_ids (1, T) shared by the batch).
+    ms.set_context(mode=mode)
+    position_ids = Tensor(np.arange(SEQ, dtype=np.int32).reshape(1, SEQ))
+    batches = [(ids, labels, None, position_ids) for ids, labels in _token_batches(2, seed=1)]
+
+    def wrap(model, optimizer):
+        if ms.get_context("mode") == ms.GRAPH_MODE:
+            return AccumulatingTrainOneStepCell(model, optimizer, 1, micro_size=K, per_token_loss=True,
+                                                shared_inputs=(3,))
+        return nn.TrainOneStepCell(GradAccumulationCell(model, K, per_token_loss=True, shared_inputs=(3,)), optimizer)
+
+    expected, _, initial = _train(make_llama(), nn.TrainOneStepCell, batches)
+    actual, _, _ = _train(make_llama(per_token=True), wrap, batches)
+    assert_params_moved(expected, initial, **MOVED)
+    _report("llama_shared_position_ids_and_none_inputs_pass_through", actual, expected, initial)
+    assert_updates_close(actual, expected, initial, fraction=FRACTION)
+
+
+def _token_dataset():
+    rows = [(ids.asnumpy()[i], labels.asnumpy()[i]) for ids, labels in _token_batches(3, seed=2) for i in range(BATCH)]
+    return ds.GeneratorDataset(lambda: iter(rows), ["input_ids", "labels"], shuffle=False).batch(BATCH)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_real_models_llama_model_train_with_loss_monitor(mode, capsys):
+    ms.set_context(mode=mode)
+    reference = make_llama()
+    initial = params_of(reference)
+    expected_losses = RecordLoss()
+    Model(reference, optimizer=make_optimizer("momentum", reference.trainable_params())).train(
+        1, _token_dataset(), callbacks=[expected_losses], dataset_sink_mode=False)
+
+    model = make_llama(per_token=True)
+    optimizer = make_optimizer("momentum", model.trainable_params())
+    losses = RecordLoss()
+    if mode == ms.GRAPH_MODE:
+        trained = Model(AccumulatingTrainOneStepCell(model, optimizer, 1, micro_size=K, per_token_loss=True))
+    else:
+        trained = Model(GradAccumulationCell(model, K, per_token_loss=True), optimizer=optimizer)
+    capsys.readouterr()
+    trained.train(1, _token_dataset(), callbacks=[losses, LossMonitor(1)], dataset_sink_mode=False)
+    assert len([line for line in capsys.readouterr().out.splitlines() if "loss is" in line]) == 3
+    assert_params_moved(params_of(reference), initial, **MOVED)
+    assert_updates_close(params_of(model), params_of(reference), initial, fraction=FRACTION)
+    np.testing.assert_allclose(losses.losses, expected_losses.losses, rtol=1e-5)
+
+
+def make_vit():
+    from mindcv.models.vit import VisionTransformer   # pylint: disable=import-outside-toplevel
+    ms.set_seed(0)
+    return VisionTransformer(image_size=16, patch_size=8, in_channels=1, embed_dim=32, depth=1, num_heads=2,
+                             num_classes=4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_real_models_mindcv_vit_trains_like_the_full_batch(mode):
+    ms.set_context(mode=mode)
+    batches = [(Tensor(x), Tensor(y)) for x, y in classification_batches(3, 16, in_shape=(1, 16, 16))]
+    expected, _, initial = _train(make_vit(), lambda net, opt: nn.TrainOneStepCell(nn.WithLossCell(net, ce()), opt),
+                                  batches)
+    actual, _, _ = _train(make_vit(), lambda net, opt: nn.TrainOneStepCell(
+        GradAccumulationCell(nn.WithLossCell(net, ce()), K), opt), batches)
+    assert_params_moved(expected, initial, **MOVED)
+    _report("mindcv_vit_trains_like_the_full_batch", actual, expected, initial)
+    assert_updates_close(actual, expected, initial, fraction=FRACTION)
