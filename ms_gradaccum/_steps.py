@@ -84,7 +84,11 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         micro_size (int, optional): The number of micro-batches each batch is split into (keyword only).
             Default: ``None``: 1, or the `micro_size` of a :class:`GradAccumulationCell` `network`.
         per_token_loss (bool, optional): Whether `network` returns ``(loss_sum, count)`` (keyword only).
-            Default: ``None``: ``False``, or that of a :class:`GradAccumulationCell` `network`.
+            Default: ``None``: ``False``, or that of a :class:`GradAccumulationCell` `network`; undeclared, a loss
+            that averages over valid tokens gets a ``UserWarning`` (see :class:`GradAccumulationCell`).
+        shared_inputs (Union[int, tuple[int]], optional): Indices of the inputs every micro-batch receives whole
+            (keyword only; see :class:`GradAccumulationCell`). Default: ``None``: ``()``, or that of a
+            :class:`GradAccumulationCell` `network`.
         steps_per_epoch (int, optional): Batches per epoch, to close the last window of each epoch (keyword only).
             Default: ``None`` (windows span epochs).
         scale_sense (Union[None, float, Tensor, Cell]): The loss scale, as ``nn.TrainOneStepWithLossScaleCell``
