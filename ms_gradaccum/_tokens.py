@@ -26,9 +26,12 @@ def _is_mindformers_cross_entropy(cell: nn.Cell) -> bool:
 def token_mean_cells(network: nn.Cell) -> list:
     """``["name (Class, how it averages)", ...]``: the cells of `network` whose loss is a mean over valid tokens."""
     found = []
+    # The adapter holds a summing copy of the loss: neither it nor what it holds averages.
+    summed = {id(sub) for _, cell in network.cells_and_names() if isinstance(cell, TokenSumLoss)
+              for _, sub in cell.cells_and_names()}
     for name, cell in network.cells_and_names():
-        if isinstance(cell, TokenSumLoss):
-            break   # the adapter and what it holds return sums
+        if id(cell) in summed:
+            continue
         if isinstance(cell, (nn.CrossEntropyLoss, nn.NLLLoss)) and cell.reduction == "mean":
             weighted = ", weighted by class" if cell.weight is not None else ""
             found.append(f"{name or 'network'} ({type(cell).__name__}: mean over the labels that are not "
