@@ -151,8 +151,9 @@ class GradAccumulationCell(PrecisionNeutral):
           size :math:`B`) unless declared in `shared_inputs` or 0-d; None and Python numbers reach every micro-batch.
 
     Outputs:
-        Tensor, float32, of the network's loss shape (``()`` or ``(1,)``): the full-batch loss, i.e. the row-weighted mean of the micro-batch losses, or
-        ``sum(loss_sum) / sum(count)`` with `per_token_loss`. ``LossMonitor`` prints this number.
+        Tensor, float32, of the network's loss shape (``()`` or ``(1,)``): the full-batch loss, i.e. the row-weighted
+        mean of the micro-batch losses, or ``sum(loss_sum) / sum(count)`` with `per_token_loss`. ``LossMonitor``
+        prints this number.
 
     Raises:
         TypeError: If `network` is not a Cell, `micro_size` is not an int (bool included), `per_token_loss` is not

@@ -7,8 +7,8 @@ its place (`layout`); each runs forward and backward once on its loss times ``sc
 gradients are added, as the backward pass produces them, into the buffers of the weights the owner trains
 (:meth:`targets`, resolved when the graph compiles). ``value`` and ``count`` are the batch's loss value and count
 as ``_buffers`` defines them (a mean loss counts rows in units of `unit`; a ``(loss_sum, count)`` network its
-count). The owner divides the buffers by ``_buffers.divisor`` and the value by the count. ``value`` and ``count`` are float32
-scalars; ``loss_like`` is zeros of the shape of the network's loss (``()`` or ``(1,)``: MindFormers' models return
+count). The owner divides the buffers by ``_buffers.divisor`` and the value by the count. ``value`` and ``count``
+are float32 scalars; ``loss_like`` is zeros of the shape of the network's loss (``()`` or ``(1,)``: MindFormers' models return
 ``(1,)``), so that the owner returns its loss in that shape, as MindSpore's train cells do. `key` names the trained
 weights, so that PyNative mode compiles again when they change.
 """
