@@ -87,8 +87,26 @@ class CompileChecks:
 
     def run(self) -> None:
         owner = self._owner()
-        if owner is not None:
+        if owner is None:
+            return
+        try:
             owner.check_at_compile()
+        except Exception:
+            # In PyNative mode the check runs inside the forward pass a train cell is recording for its gradient; an
+            # error left that recording open, and the next training in the process failed with unrelated shape errors
+            # (measured 2.10.0). MindSpore clears it the same way when a jit compile fails (mindspore/graph/api.py).
+            if ms.get_context("mode") == ms.PYNATIVE_MODE:
+                _pynative_executor().clear_res()
+            raise
+
+
+def _pynative_executor():
+    """MindSpore's PyNative executor (``mindspore.graph.api`` from 2.9, ``mindspore.common.api`` before)."""
+    try:
+        from mindspore.graph.api import _pynative_executor as executor  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        from mindspore.common.api import _pynative_executor as executor  # pylint: disable=import-outside-toplevel
+    return executor
 
 
 @primexpr
