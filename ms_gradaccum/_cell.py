@@ -212,6 +212,7 @@ class GradAccumulationCell(PrecisionNeutral):
         self.token_totals = TokenTotals(per_token_loss, _NAME)
         self.replicas = ReplicaCheck(self._targets, _NAME)
         self.gradient_of = GradientOf()
+        self.hyper_map = ops.HyperMap()
         # Both mechanisms exist from the start; the parallel mode in force when Model builds its train cell and when
         # the graph compiles (AutoParallel sets it only then) picks one: see parallel_pass.
         self.parallel_pass_part = ParallelPassAccumulation(network, micro_size)
@@ -311,10 +312,20 @@ class GradAccumulationCell(PrecisionNeutral):
         # autodiff fails on networks with BatchNorm ("Operator 'k_hole' is invalid").
         loss = ops.stop_gradient(_buffers.mean_loss(value, count))
         divisor = ops.stop_gradient(ops.depend(_buffers.divisor(scale, count, factor), loss))
-        for weight, buffer in zip(self.weights, self.accu_grads):
-            # Adds zero; its backward hands each weight its buffer, unscaled (in float32) and times the sens.
-            loss = loss + self.gradient_of(weight, buffer, divisor)
+        # Adds zero; its backward hands each weight its buffer, unscaled (in float32) and times the sens. One call per
+        # weight through a HyperMap (see _buffers: a Python loop over the weights compiles far slower).
+        zeros = self.hyper_map(ops.partial(_hand_over, self.gradient_of, divisor), self.weights[::-1],
+                               self.accu_grads[::-1])
+        loss = loss + ops.stack(zeros).sum()
         return ops.reshape(loss, loss_like.shape)   # the network's loss shape: () or (1,)
+
+
+_hand_over = ops.MultitypeFuncGraph("_hand_over")
+
+
+@_hand_over.register("Function", "Tensor", "Tensor", "Tensor")
+def _hand_over_weight(gradient_of, divisor, weight, buffer):
+    return gradient_of(weight, buffer, divisor)
 
 
 class GradientOf(PrecisionNeutral):
@@ -335,5 +346,5 @@ class GradientOf(PrecisionNeutral):
         # In place where MindSpore does that (CPU kernel graph: Mul then Assign, weight by weight); an
         # ops.assign(buffer, buffer * f) would allocate a product per weight, all alive at once (measured: +27 MB
         # on four 1536-wide Dense layers). In PyNative mode it is an ordinary product, as correct.
-        product = _buffers.multiply_in_place(buffer, ops.cast(dout, buffer.dtype) / ops.cast(divisor, buffer.dtype))
+        product = _buffers.multiply_in_place(buffer, dout, divisor)
         return ops.cast(product, weight.dtype), ZEROS_LIKE(buffer), ZEROS_LIKE(divisor)

@@ -5,7 +5,9 @@ Contract: ``engine(inputs, shared, constants, layout, scale, unit, key) -> (valu
 ``micro_size`` micro-batches; every micro-batch also receives the `shared` Tensors and the `constants` whole, each in
 its place (`layout`); each runs forward and backward once on its loss times ``scale * weight`` and its
 gradients are added, as the backward pass produces them, into the buffers of the weights the owner trains
-(:meth:`targets`, resolved when the graph compiles). ``value`` and ``count`` are the batch's loss value and count
+(:meth:`targets`, resolved when the graph compiles). Every micro-batch goes through the same loop body, so the graph
+holds one copy of the network's forward and backward per micro-batch shape: one for a batch ``micro_size`` divides,
+two for any other. ``value`` and ``count`` are the batch's loss value and count
 as ``_buffers`` defines them (a mean loss counts rows in units of `unit`; a ``(loss_sum, count)`` network its
 count). The owner divides the buffers by ``_buffers.divisor`` and the value by the count. ``value`` and ``count``
 are float32 scalars; ``loss_like`` is zeros of the shape of the network's loss (``()`` or ``(1,)``: MindFormers' models return
@@ -18,8 +20,8 @@ import mindspore as ms
 from mindspore import nn, ops, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._buffers import add_gradients
-from ms_gradaccum._internals import ZEROS_LIKE, compile_time
+from ms_gradaccum._buffers import add_gradients, clear
+from ms_gradaccum._internals import ZEROS_LIKE, compile_time, primexpr
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import (assemble, check_loss_output, input_kinds, input_names, micro_batch,
                                       partition, plan_inputs, split_batch)
@@ -40,10 +42,33 @@ class TupleInputs(PrecisionNeutral):
         return self.network(*inputs)
 
 
+class LossShape:
+    """The shape of the network's loss, written while the loop body is compiled (:func:`record_loss_shape`) and read
+    after the loop (:func:`recorded_loss_shape`). A plain Python object handed to compile-time functions: the loop body
+    is the only copy of the network in the graph, so nothing outside it can see the loss's shape otherwise (a value
+    carried out of a graph-mode while loop whose shape is not known before it gets a dynamic shape, measured 2.10.0)."""
+
+    def __init__(self):
+        self.shape = None
+
+
+@primexpr
+def record_loss_shape(holder: LossShape, shape: tuple) -> bool:
+    holder.shape = tuple(shape)
+    return True
+
+
+@primexpr
+def recorded_loss_shape(holder: LossShape, after: tuple) -> tuple:
+    """The recorded shape. `after` (the shape of a loop output) makes this depend on the loop, so MindSpore's analysis
+    has compiled the loop body, and recorded the shape, before it evaluates this."""
+    return holder.shape
+
+
 class ScaledLoss(PrecisionNeutral):
-    """``(loss * factor, loss, count, zeros of the loss's shape)`` in float32, the first three scalars: only the first
-    carries a gradient, so differentiating this cell
-    runs the backward pass on the loss times `factor` (the loss scale times the micro-batch's weight).
+    """``(loss * factor, loss, count)`` in float32 scalars: only the first carries a gradient, so differentiating this
+    cell runs the backward pass on the loss times `factor` (the loss scale times the micro-batch's weight). The loss's
+    own shape (``()`` or ``(1,)``) is recorded in :attr:`loss_shape` when the graph compiles.
 
     The product is taken in float32, so a float16 loss times a large scale cannot overflow in the forward value; the
     backward then starts from `factor` in the loss's own dtype, as ``nn.TrainOneStepCell``'s ``sens`` does. With
@@ -55,6 +80,7 @@ class ScaledLoss(PrecisionNeutral):
         self.loss_of_inputs = TupleInputs(network)
         self.per_token_loss = per_token_loss
         self.owner_name = cls_name
+        self.loss_shape = LossShape()
 
     def construct(self, inputs, factor):
         out = self.loss_of_inputs(inputs)
@@ -71,8 +97,8 @@ class ScaledLoss(PrecisionNeutral):
             count = Tensor(1.0, mstype.float32)
         # A single-element loss of shape (1,) is tallied as a scalar; its shape goes back to the owner (loss_like).
         scalar = ops.reshape(loss, ())
-        return (scalar * factor, ops.stop_gradient(scalar), ops.stop_gradient(count),
-                ops.stop_gradient(ZEROS_LIKE(loss)))
+        scalar = ops.depend(scalar, record_loss_shape(self.loss_shape, loss.shape))
+        return scalar * factor, ops.stop_gradient(scalar), ops.stop_gradient(count)
 
 
 class MicroBatchGradients(PrecisionNeutral):
@@ -142,10 +168,10 @@ class MicroBatchGradients(PrecisionNeutral):
                     ops.logical_and(finite, ops.isfinite(out[2])))
         return value + out[1] * weight, count + weight, smallest, finite
 
-    def _accumulate(self, split, others, start, stop, totals, factor, weight):
+    def _accumulate(self, split, others, stop, totals, factor, weight):
         # A graph-mode while loop over a Tensor counter is compiled once, whatever the count is, and runs the
         # micro-batches strictly in turn, so micro-batch i's activations are freed before i + 1 starts.
-        i = Tensor(start, mstype.int32)
+        i = Tensor(0, mstype.int32)
         while i < stop:
             out, grads = self._value_and_grads(self._micro_inputs(split, i, others), factor)
             totals = self._tally(out, weight, totals)
@@ -169,25 +195,22 @@ class MicroBatchGradients(PrecisionNeutral):
     # no_grad, where eager gradients are refused, and an eager loop would not free memory per micro-batch.
     @ms.jit
     def construct(self, inputs, shared, constants, layout, scale, unit, key):
-        parts = split_batch(inputs, self.micro_size)
         others = (shared, constants, layout)
-        split, count, rows = parts[0]
-        weight = Tensor(1.0, mstype.float32) if self.per_token_loss else rows / unit
-        factor = scale * weight
-        # Micro-batch 0 runs before the loop, so that it can overwrite the buffers (no zeroing pass per step).
-        out, grads = self._value_and_grads(self._micro_inputs(split, Tensor(0, mstype.int32), others), factor)
         zero = Tensor(0.0, mstype.float32)
-        loss_like = out[3]
-        totals = self._tally(out, weight, (zero, zero, Tensor(float("inf"), mstype.float32), Tensor(True)))
-        value = add_gradients(self.buffers, grads, overwrite=self.overwrite, after=totals[0])
-        totals = self._accumulate(split, others, 1, count, (value,) + totals[1:], factor, weight)
-        if len(parts) == 2:
-            split2, count2, rows2 = parts[1]
-            weight2 = weight if self.per_token_loss else rows2 / unit
-            totals = self._accumulate(split2, others, 0, count2, totals, scale * weight2, weight2)
+        totals = (zero, zero, Tensor(float("inf"), mstype.float32), Tensor(True))
+        if self.overwrite:
+            # A fresh sum per batch: the buffers are cleared once, before the loop, so that every micro-batch goes
+            # through the same loop body (one copy of the network in the graph) and adds its gradient.
+            totals = (ops.depend(zero, clear(self.buffers, zero)),) + totals[1:]
+        weight = Tensor(1.0, mstype.float32)
+        for split, count, rows in split_batch(inputs, self.micro_size):
+            # One loop per micro-batch shape: a batch micro_size divides has one, any other two (sizes differ by 1).
+            weight = weight if self.per_token_loss else rows / unit
+            totals = self._accumulate(split, others, count, totals, scale * weight, weight)
         value, count_total, smallest, finite = totals
         if self.per_token_loss:
             value = ops.depend(value, self._check_counts(smallest, finite))
+        loss_like = ops.zeros(recorded_loss_shape(self.scaled_loss.loss_shape, value.shape), mstype.float32)
         return value, count_total, loss_like
 
     def bprop(self, inputs, shared, constants, layout, scale, unit, key, out, dout):

@@ -292,7 +292,9 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
             mean = _buffers.divide_in_place(self.grad_sums, ops.depend(divisor, after) * self.in_place_reducer.devices)
         else:
             mean = self.grad_reducer(_buffers.divide_in_place(self.grad_sums, divisor))
-        overflow = Tensor(False, mstype.bool_)
+        # The step depends on the quotients: where the optimizer reads the buffers themselves (see _step), nothing else
+        # would use them, and MindSpore drops in-place kernels whose outputs are unused (measured 2.10.0).
+        overflow = ops.depend(Tensor(False, mstype.bool_), mean)
         if self.loss_scaled:
             overflow = ops.logical_not(_loss_scale.all_finite(self.hyper_map, mean))
             if self.loss_scaling_manager is not None:

@@ -1,7 +1,8 @@
-"""The micro-batch loop is compiled once, not unrolled micro_size times (so compile time stays flat).
+"""The micro-batch loop is compiled once, not unrolled micro_size times (so compile time stays flat), and the graph
+holds one copy of the network's forward and backward per micro-batch shape (compile time close to the plain step's).
 
 Counted on the compiled graph itself (MindSpore's saved IR), not timed: the number of MatMul kernels in the
-validated training graph must not depend on micro_size. MindSpore's own Python-unrolled cell is the control.
+validated training graph. MindSpore's own Python-unrolled cell is the control.
 """
 import glob
 import os
@@ -9,21 +10,30 @@ import os
 from launch import run_worker
 
 
-def matmul_count(kind: str, micro_size: int, directory: str) -> int:
-    run_worker("mlp", kind, micro_size, 64, steps=1, MS_DEV_SAVE_GRAPHS="1", MS_DEV_SAVE_GRAPHS_PATH=directory)
+# 4 Dense layers: 4 forward MatMuls and 7 backward ones (no input gradient for the first layer).
+NETWORK = 11
+
+
+def matmul_count(kind: str, micro_size: int, directory: str, batch: int = 64) -> int:
+    run_worker("mlp", kind, micro_size, batch, steps=1, MS_DEV_SAVE_GRAPHS="1", MS_DEV_SAVE_GRAPHS_PATH=directory)
     validated = glob.glob(os.path.join(directory, "**", "*_validate_*.ir"), recursive=True)
     assert len(validated) == 1, f"expected one validated graph IR under {directory}, found {validated}"
     with open(validated[0], encoding="utf-8") as handle:
         return handle.read().count("MatMul(")
 
 
-def test_graph_loop_is_not_unrolled(tmp_path):
+def test_graph_loop_is_not_unrolled_and_holds_the_network_once(tmp_path):
     small = matmul_count("accumulate", 2, str(tmp_path / "k2"))
     large = matmul_count("accumulate", 16, str(tmp_path / "k16"))
-    # 4 Dense layers: 4 forward MatMuls and 7 backward ones (no input gradient for the first layer), twice:
-    # once in the loop body and once for micro-batch 0, which runs before the loop so that the kind of loss
-    # (a mean, or (loss_sum, count)) is known when the graph compiles.
-    assert small == large == 2 * 11
+    # Every micro-batch goes through the one loop body; the plain step holds the network once too.
+    plain = matmul_count("plain", 1, str(tmp_path / "plain"))
+    assert small == large == plain == NETWORK
+
+
+def test_graph_ragged_batch_holds_one_copy_per_micro_batch_shape(tmp_path):
+    # 66 rows in 4 micro-batches: 2 of 17 rows and 2 of 16, one loop (one copy of the network) for each shape.
+    assert matmul_count("accumulate", 4, str(tmp_path / "ragged"), batch=66) == 2 * NETWORK
+    assert matmul_count("accumulate_steps", 4, str(tmp_path / "ragged_steps"), batch=66) == 2 * NETWORK
 
 
 def test_graph_unrolled_loop_is_detected(tmp_path):
