@@ -25,7 +25,7 @@ import numpy as np
 from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._internals import AUGMENTED_ASSIGNMENT_IN_PLACE, INPLACE_DIV, INPLACE_MUL, ZEROS_LIKE
+from ms_gradaccum._internals import AUGMENTED_ASSIGNMENT_IN_PLACE, ZEROS_LIKE
 from ms_gradaccum._microbatch import plan
 
 GRAD_PREFIX = "accu_grads"
@@ -113,7 +113,8 @@ def _zero_buffer(after, buffer):
 @_divide.register("Tensor", "Tensor")
 def _divide_buffer(divisor, buffer):
     if AUGMENTED_ASSIGNMENT_IN_PLACE:
-        return INPLACE_DIV(buffer, ops.cast(divisor, buffer.dtype))
+        buffer /= ops.cast(divisor, buffer.dtype)
+        return buffer
     return ops.assign(buffer, buffer / ops.cast(divisor, buffer.dtype))
 
 
@@ -131,20 +132,19 @@ def add_gradients(buffers, grads, after):
 def divide_in_place(buffers, divisor):
     """Each buffer / `divisor` (a scalar Tensor), in the buffer's dtype, written into the buffer; returns the buffers.
 
-    InplaceDiv divides in place, so the mean costs no memory; where MindSpore has no such kernel (2.7, see _internals)
-    each buffer is assigned its quotient, one after another.
+    In graph mode ``/=`` on a Parameter divides in place (InplaceDiv), so the mean costs no memory; where MindSpore
+    does not (2.7, see _internals) each buffer is assigned its quotient, one after another. MindSpore drops the
+    divisions when nothing reads the quotients: make what follows depend on them.
     """
     return _HYPER_MAP(ops.partial(_divide, divisor), buffers)
 
 
 def multiply_in_place(buffer, numerator, denominator):
     """``buffer * (numerator / denominator)``, the factor taken in the buffer's dtype, written into the buffer where
-    MindSpore has an in-place kernel (2.8 on: no gradient-sized temporary); the product is returned either way, and
-    is what callers use."""
-    factor = ops.cast(numerator, buffer.dtype) / ops.cast(denominator, buffer.dtype)
-    if AUGMENTED_ASSIGNMENT_IN_PLACE:
-        return INPLACE_MUL(buffer, factor)
-    return buffer * factor
+    MindSpore does that in place (graph mode, 2.8 on: no gradient-sized temporary); the product is returned either
+    way, and is what callers use."""
+    buffer *= ops.cast(numerator, buffer.dtype) / ops.cast(denominator, buffer.dtype)
+    return buffer
 
 
 def clear(buffers, after):

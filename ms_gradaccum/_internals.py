@@ -318,19 +318,13 @@ def reducer_all_reduces(reducer: nn.DistributedGradReducer) -> tuple:
 
 
 # --- 7. In-place arithmetic on Parameters ---------------------------------------------------------------------------
-# In graph mode, `p /= d` on a Parameter in a construct writes p in place (InplaceDiv) from MindSpore 2.8 on (checked
-# 2.8.0, 2.9.0, 2.10.0). In 2.7.0 it makes a new tensor and leaves p unchanged, and Tensor.div_ silently does nothing;
-# there the buffers are written with ops.assign instead (the same values; a temporary per buffer, one at a time).
-# Inside a function that receives the Parameter as an argument (a HyperMap's, see _buffers) `p /= d` is not reliably
-# a write of p (measured 2.10.0: under data parallel the optimizer then read undivided buffers), so the package calls
-# the primitives themselves: InplaceDiv and InplaceMul (CPU kernels in 2.10.0).
+# In graph mode, `p /= d` on a Parameter writes p in place (InplaceDiv) from MindSpore 2.8 on (checked 2.8.0, 2.9.0,
+# 2.10.0). In 2.7.0 it makes a new tensor and leaves p unchanged, and Tensor.div_ silently does nothing; there the
+# buffers are written with ops.assign instead (the same values; a temporary per buffer, one at a time). In PyNative
+# mode it is an ordinary product or quotient (there is no eager CPU kernel for InplaceMul/InplaceDiv in 2.10.0).
+# MindSpore drops such an in-place kernel when nothing reads its output (measured 2.10.0: under data parallel the
+# optimizer, which reads the buffers themselves, then got undivided buffers): callers make what follows depend on it.
 AUGMENTED_ASSIGNMENT_IN_PLACE = mindspore_version() >= (2, 8, 0)
-if AUGMENTED_ASSIGNMENT_IN_PLACE:
-    from mindspore.ops.auto_generate.gen_ops_prim import InplaceDiv as _InplaceDiv  # noqa: E402
-    from mindspore.ops.auto_generate.gen_ops_prim import InplaceMul as _InplaceMul  # noqa: E402
-    INPLACE_DIV, INPLACE_MUL = _InplaceDiv(), _InplaceMul()
-else:
-    INPLACE_DIV = INPLACE_MUL = None
 
 
 # --- 8. Communication and parallel context ------------------------------------------------------------------------
