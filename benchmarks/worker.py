@@ -4,6 +4,8 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
   FRAMEWORK  mindspore | torch
   MODEL      mlp (activation-heavy) | conv | wide (parameter-heavy: four 1536-wide Dense layers, 27 MB)
              | wide1024 (the same with 1024-wide layers, 12 MB: the tests' size)
+             | lm2, lm6 (a transformer language model, d_model 128, 4 heads, sequence 64, vocabulary 512, with 2 or 6
+             MindSpore nn.TransformerEncoderLayer layers: what compile time is measured on)
   KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
              | mindspore (nn.GradAccumulationCell inside nn.TrainOneStepCell) | steps
              (AccumulatingTrainOneStepCell, MICRO_SIZE calls of BATCH / MICRO_SIZE per optimizer step)
@@ -12,8 +14,8 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
              | plain_o2 | accumulate_o2 (the same in mixed precision: amp O2 float16 compute, float32
              weights, loss scale 2**10 as Model's FixedLossScaleManager applies it)
              torch: plain | accumulate (the standard loop: loss / K, backward per micro-batch, one step)
-A "step" is always one optimizer update over BATCH samples. Timings: the first step (compilation
-included) and the median of STEPS steady steps. Memory: peak RSS, and its growth over the RSS measured
+A "step" is always one optimizer update over BATCH samples. Timings: the graph's compilation (Cell.compile on the
+step's inputs, compile_s), the first step and the median of STEPS steady steps. Memory: peak RSS, and its growth over the RSS measured
 after the framework's import and the data's creation (so it holds compilation, weights, activations); MindSpore's pool peak is printed by MindSpore itself at exit.
 It does not hold Parameters, so the bytes of every Parameter the train cell holds (weights, optimizer
 state, accumulation buffers) are reported beside it (param_mb), and the weights' own bytes (weight_mb).
@@ -29,6 +31,8 @@ import time
 import numpy as np
 
 MLP_IN, CLASSES = 64, 10
+# The language model: width, heads, sequence length, vocabulary (layers from the model's name).
+LM_WIDTH, LM_HEADS, LM_SEQ, LM_VOCAB = 128, 4, 64, 512
 # (input width, layer width) of the Dense models
 DENSE = {"mlp": (MLP_IN, 512), "wide": (1536, 1536), "wide1024": (1024, 1024)}
 MIXED_PRECISION_SCALE = 2.0 ** 10
@@ -66,12 +70,40 @@ def _Float32Loss(loss_fn):  # pylint: disable=invalid-name
     return Float32Loss()
 
 
+def _LanguageModel(layers: int):  # pylint: disable=invalid-name
+    """A transformer LM with its token-mean loss: ``(ids, labels) -> loss``, both ``(batch, LM_SEQ)`` int32."""
+    import mindspore as ms
+    from mindspore import nn
+
+    class LanguageModel(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(LM_VOCAB, LM_WIDTH)
+            self.position = ms.Parameter(ms.Tensor(np.random.RandomState(0).randn(1, LM_SEQ, LM_WIDTH).astype(
+                np.float32) * 0.02), name="position")
+            self.blocks = nn.CellList([nn.TransformerEncoderLayer(LM_WIDTH, LM_HEADS, 4 * LM_WIDTH, dropout=0.0,
+                                                                  batch_first=True) for _ in range(layers)])
+            self.head = nn.Dense(LM_WIDTH, LM_VOCAB)
+            self.loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+
+        def construct(self, ids, labels):
+            hidden = self.embedding(ids) + self.position
+            for block in self.blocks:
+                hidden = block(hidden)
+            logits = self.head(hidden.reshape(-1, LM_WIDTH))
+            return self.loss_fn(logits, labels.reshape(-1))
+    return LanguageModel()
+
+
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _data(model: str, batch: int):
     rng = np.random.RandomState(0)
+    if model.startswith("lm"):
+        ids = rng.randint(0, LM_VOCAB, (batch, LM_SEQ + 1)).astype(np.int32)
+        return ids[:, :-1].copy(), ids[:, 1:].copy()
     shape = (batch, DENSE[model][0]) if model in DENSE else (batch, 1, 28, 28)
     return rng.randn(*shape).astype(np.float32), rng.randint(0, CLASSES, batch).astype(np.int32)
 
@@ -101,7 +133,9 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         init()
         ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
     ms.set_seed(0)   # the same initial weights on every rank
-    if model in DENSE:
+    if model.startswith("lm"):
+        net = None
+    elif model in DENSE:
         inputs, width = DENSE[model]
         net = nn.SequentialCell(nn.Dense(inputs, width), nn.ReLU(), nn.Dense(width, width), nn.ReLU(),
                                 nn.Dense(width, width), nn.ReLU(), nn.Dense(width, CLASSES))
@@ -110,34 +144,44 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
                                 nn.ReLU(), nn.MaxPool2d(2, 2), nn.Flatten(), nn.Dense(32 * 14 * 14, CLASSES))
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     sens = None
-    if kind.endswith("_o2"):
-        kind, sens = kind[:-len("_o2")], MIXED_PRECISION_SCALE
-        net = ms.amp.auto_mixed_precision(net, "O2")
-        loss_fn = _Float32Loss(loss_fn)
-    loss_net = nn.WithLossCell(net, loss_fn)
+    if net is None:   # the language model computes its loss itself
+        if kind not in ("plain", "accumulate", "accumulate_steps", "steps"):
+            raise SystemExit(f"kind {kind!r} is not measured on the language model")
+        net = loss_net = _LanguageModel(int(model[2:]))
+    else:
+        if kind.endswith("_o2"):
+            kind, sens = kind[:-len("_o2")], MIXED_PRECISION_SCALE
+            net = ms.amp.auto_mixed_precision(net, "O2")
+            loss_fn = _Float32Loss(loss_fn)
+        loss_net = nn.WithLossCell(net, loss_fn)
     per_token_loss = kind == "tokens"
     if per_token_loss:   # the same loss as a sum and a count: the token path's bookkeeping, nothing else
         kind, loss_net = "accumulate", _SumAndCount(net)
     optimizer = nn.SGD(net.trainable_params(), 0.01, loss_scale=sens or 1.0)
     weight_bytes = sum(p.size * p.itemsize for p in net.trainable_params())
+    tx, ty = Tensor(x), Tensor(y)
     if kind == "accumulate_steps":
         cell = AccumulatingTrainOneStepCell(loss_net, optimizer, 1, micro_size=micro_size)
-        tx, ty = Tensor(x), Tensor(y)
-        return lambda: cell(tx, ty).asnumpy(), lambda: _parameter_bytes(cell), weight_bytes
-    if kind == "steps":
+        step = lambda: cell(tx, ty).asnumpy()  # noqa: E731
+        compile_inputs = (tx, ty)
+    elif kind == "steps":
         cell = AccumulatingTrainOneStepCell(loss_net, optimizer, micro_size)
         rows = len(x) // micro_size
         parts = [(Tensor(x[i * rows:(i + 1) * rows]), Tensor(y[i * rows:(i + 1) * rows])) for i in range(micro_size)]
-        return lambda: [cell(*part) for part in parts][-1].asnumpy(), lambda: _parameter_bytes(cell), weight_bytes
-    if kind == "accumulate":
-        loss_net = GradAccumulationCell(loss_net, micro_size, per_token_loss=per_token_loss)
-    elif kind == "mindspore":
-        loss_net = nn.GradAccumulationCell(loss_net, micro_size)
-    elif kind != "plain":
-        raise SystemExit(f"unknown MindSpore kind {kind!r}")
-    cell = nn.TrainOneStepCell(loss_net, optimizer, sens=sens)
-    tx, ty = Tensor(x), Tensor(y)
-    return lambda: cell(tx, ty).asnumpy(), lambda: _parameter_bytes(cell), weight_bytes
+        step = lambda: [cell(*part) for part in parts][-1].asnumpy()  # noqa: E731
+        compile_inputs = parts[0]
+    else:
+        if kind == "accumulate":
+            loss_net = GradAccumulationCell(loss_net, micro_size, per_token_loss=per_token_loss)
+        elif kind == "mindspore":
+            loss_net = nn.GradAccumulationCell(loss_net, micro_size)
+        elif kind != "plain":
+            raise SystemExit(f"unknown MindSpore kind {kind!r}")
+        cell = nn.TrainOneStepCell(loss_net, optimizer, sens=sens)
+        step = lambda: cell(tx, ty).asnumpy()  # noqa: E731
+        compile_inputs = (tx, ty)
+    # Cell.compile builds the graph the first call then finds in MindSpore's cache (same cell, same input shapes).
+    return step, lambda: cell.compile(*compile_inputs), lambda: _parameter_bytes(cell), weight_bytes
 
 
 def _parameter_bytes(cell) -> int:
@@ -174,7 +218,7 @@ def torch_step(model: str, kind: str, micro_size: int, x, y):
         return loss.item()
     # PyTorch has no memory pool to add them to: its weights, .grad and optimizer state are all in the RSS.
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    return step, None, weight_bytes
+    return step, None, None, weight_bytes
 
 
 def main(framework: str, model: str, kind: str, micro_size: int, batch: int, steps: int) -> None:
@@ -183,13 +227,18 @@ def main(framework: str, model: str, kind: str, micro_size: int, batch: int, ste
     x, y = _data(model, batch)
     rss_base = _rss_mb()
     build = mindspore_step if framework == "mindspore" else torch_step
-    step, count_parameter_bytes, weight_bytes = build(model, kind, micro_size, x, y)
+    step, compile_graph, count_parameter_bytes, weight_bytes = build(model, kind, micro_size, x, y)
+    compile_s = None
+    if compile_graph is not None:
+        start = time.perf_counter()
+        compile_graph()
+        compile_s = time.perf_counter() - start
     first, steady = _time_steps(step, steps)
     parameter_bytes = None if count_parameter_bytes is None else count_parameter_bytes()
     result = dict(framework=framework, model=model, kind=kind, micro_size=micro_size, batch=batch,
                   param_mb=None if parameter_bytes is None else parameter_bytes / 2 ** 20,
                   weight_mb=weight_bytes / 2 ** 20,
-                  first_step_s=first, steady_step_s=steady, samples_per_s=batch / steady,
+                  compile_s=compile_s, first_step_s=first, steady_step_s=steady, samples_per_s=batch / steady,
                   rss_base_mb=rss_base, rss_peak_mb=_rss_mb(), rss_growth_mb=_rss_mb() - rss_base,
                   input_mb=(x.nbytes + y.nbytes) / 2 ** 20)
     print("BENCH " + json.dumps(result), flush=True)
