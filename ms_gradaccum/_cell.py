@@ -10,6 +10,7 @@ from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, ZEROS_LIKE, CompileChecks,
                                      TrainGradAccuStepCell, bprops_calling_zeros_like, compile_time, compiling_graph,
+                                     separate_autodiff_zeros_like,
                                      differentiated_weights, enclosing_loss_wrapper, enclosing_optimizer,
                                      enclosing_train_cell, parallel_mode, primexpr, run_compile_checks)
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
@@ -42,15 +43,18 @@ def check_loss_inside(cell: nn.Cell) -> None:
 
 
 def check_bprops(network: nn.Cell, micro_size: int) -> None:
-    """Refuse, when a graph compiles, a network whose custom bprop calls ``mindspore.ops.zeros_like``: MindSpore cannot
-    compile that bprop inside a gradient that is differentiated again (see _internals, 9.), which is how this cell hands
-    its gradient over. Every other bprop works."""
+    """When a graph compiles: give autodiff a zeros_like of its own, so that custom bprops calling
+    ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside this cell's nested gradient (see _internals,
+    9.); where MindSpore is laid out otherwise, refuse a network with such a bprop, naming the cells."""
+    if separate_autodiff_zeros_like():
+        return
     cells = bprops_calling_zeros_like(network)
     if cells:
         raise RuntimeError(
             f"For '{_NAME}', the argument 'network' holds cells whose bprop calls mindspore.ops.zeros_like: "
-            f"{', '.join(cells)}. In a compiled graph MindSpore (2.10.0, measured) cannot compile that bprop inside "
-            f"a gradient that is itself differentiated (\"The func graph is empty ... zeros_like\"), which is how "
+            f"{', '.join(cells)}. In a compiled graph this MindSpore ({ms.__version__}, laid out otherwise than the "
+            f"versions checked) cannot compile that bprop inside a gradient that is itself differentiated (\"The "
+            f"func graph is empty ... zeros_like\"), which is how "
             f"{_NAME} hands its gradient to the train cell around it. Either train with AccumulatingTrainOneStepCell("
             f"loss_net, optimizer, 1, micro_size={micro_size}) (the same update; under Model without optimizer=), or "
             f"in PYNATIVE_MODE without ms.jit, or return ops.ZerosLike()(x) instead of ops.zeros_like(x) in that "

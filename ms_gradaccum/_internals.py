@@ -342,44 +342,116 @@ def parallel_mode() -> str:
 # --- 9. zeros_like in the package's graphs ---------------------------------------------------------------------------
 # GradAccumulationCell differentiates the network inside a graph that the wrapping train cell differentiates again.
 # MindSpore parses the Python function mindspore.ops.zeros_like (== ops.functional.zeros_like) into one cached graph
-# per function object; when that object is reached both from the outer differentiation and from a custom bprop inside
-# the network (MindFormers' loss cells: `F.zeros_like(label)`), graph mode fails with "The func graph is empty,
-# func graph: ...zeros_like" (measured 2.10.0: a copy of the same function, or the ZerosLike primitive, trains exactly).
-# The package never calls that function in its graphs: the primitive below instead.
-# What cannot be avoided that way: a custom bprop of the user's that calls that function itself. The cells name them
-# (found by the function object their bprop reaches by name, directly or as a module's attribute: `zeros_like`,
-# `ops.zeros_like`, `F.zeros_like`), so the error can say which, and what works instead.
+# per function object. Autodiff makes its zero gradients through it: C.zeros_like's Tensor case
+# (ops/composite/multitype_ops/zeros_like_impl.py::_zeros_like_tensor) returns `F.zeros_like(x)`, F being
+# mindspore.ops.functional. When the same function object is also reached from a custom bprop inside the network
+# (MindFormers' loss cells: `F.zeros_like(label)`), the graph parsed from it is used by the inner gradient and then
+# found empty when the outer gradient evaluates it: "The func graph is empty, func graph: ...zeros_like" (measured
+# 2.10.0; C++ stack_frame.cc). Every form of the nesting fails alike (the issue tracker of this package, #28).
+#
+# The way around (separate_autodiff_zeros_like): zeros_like_impl's `F` becomes a module of its own, registered in
+# sys.modules under its own name (the parser resolves a function's globals through the module named by its
+# namespace, graph/_parse/parser.py::get_module_namespace; _extends/parse/parser.py in 2.7), holding everything
+# mindspore.ops.functional holds, except that its zeros_like is a copy of the same function (same code, globals and
+# defaults). Autodiff then parses a graph of its own, the user's bprop keeps the original, and both compute exactly
+# what they did. Applied once, the first time a GradAccumulationCell compiles a graph, and left in place: it changes no
+# value any graph computes (tested: a plain train cell trained before and after it in one process is bit-identical);
+# a process that never compiles a GradAccumulationCell is not touched. Checked 2.7.0 and 2.10.0 (same layout).
+# Where MindSpore is laid out otherwise, it is not applied and the cells name the bprops that call the function.
+# The package's own graphs never call that function (the primitive below instead).
+import ast  # noqa: E402
+import inspect  # noqa: E402
+import textwrap  # noqa: E402
+import types  # noqa: E402
+
 from mindspore import ops as _ops  # noqa: E402
 
 ZEROS_LIKE = _ops.ZerosLike()
 _ZEROS_LIKE_FUNCTION = _ops.zeros_like
+_AUTODIFF_FUNCTIONAL = "ms_gradaccum._autodiff_functional"
 
 
-def _code_names(code) -> set:
-    names = set(code.co_names) | set(code.co_freevars)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):   # nested functions and comprehensions
-            names |= _code_names(const)
-    return names
+def _function_copy(function):
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__dict__.update(function.__dict__)
+    copy.__qualname__, copy.__module__, copy.__doc__ = function.__qualname__, function.__module__, function.__doc__
+    return copy
 
 
-def _reaches_zeros_like_function(function) -> bool:
+def separate_autodiff_zeros_like() -> bool:
+    """Give autodiff's zero gradients a zeros_like of their own (see above); True once that is in place, False where
+    MindSpore's layout is not the one checked."""
+    from mindspore.ops.composite.multitype_ops import zeros_like_impl  # pylint: disable=import-outside-toplevel
+    functional = getattr(zeros_like_impl, "F", None)
+    if isinstance(functional, types.ModuleType) and functional.__name__ == _AUTODIFF_FUNCTIONAL:
+        return True
+    if not (isinstance(functional, types.ModuleType) and getattr(functional, "zeros_like", None) is
+            _ZEROS_LIKE_FUNCTION and isinstance(_ZEROS_LIKE_FUNCTION, types.FunctionType)):
+        return False
+    module = types.ModuleType(_AUTODIFF_FUNCTIONAL, functional.__doc__)
+    module.__dict__.update({key: value for key, value in functional.__dict__.items() if key not in ("__name__",
+                                                                                                   "__spec__")})
+    module.zeros_like = _function_copy(_ZEROS_LIKE_FUNCTION)
+    sys.modules[_AUTODIFF_FUNCTIONAL] = module
+    zeros_like_impl.F = module
+    return True
+
+
+def _resolves_to_zeros_like(node, namespace: dict) -> bool:
+    """Whether a call's function expression (`zeros_like`, `ops.zeros_like`, `F.zeros_like`) is that function."""
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id) is _ZEROS_LIKE_FUNCTION
+    if isinstance(node, ast.Attribute) and node.attr == "zeros_like":
+        base = node.value
+        owner = namespace.get(base.id) if isinstance(base, ast.Name) else None
+        return getattr(owner, "zeros_like", None) is _ZEROS_LIKE_FUNCTION
+    return False
+
+
+def _folded(test, cell) -> Optional[bool]:
+    """The value of an `if` test MindSpore folds when it compiles (a constant, `self.<attribute>`, `not` of those);
+    None when it depends on the inputs."""
+    if isinstance(test, ast.Constant):
+        return bool(test.value)
+    if isinstance(test, ast.Attribute) and isinstance(test.value, ast.Name) and test.value.id == "self" and \
+            not isinstance(getattr(cell, test.attr, None), (ms.Tensor, nn.Cell)):
+        return bool(getattr(cell, test.attr, None))
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _folded(test.operand, cell)
+        return None if inner is None else not inner
+    return None
+
+
+def _calls_zeros_like(function, cell) -> bool:
+    """Whether `function` (a bprop) calls mindspore.ops.zeros_like outside the branches MindSpore folds away."""
     code = getattr(function, "__code__", None)
     if code is None:
         return False
-    names = _code_names(code)
-    if "zeros_like" not in names:
-        return False
     namespace = dict(getattr(function, "__globals__", {}))
     namespace.update(_closure(function) if getattr(function, "__closure__", None) else {})
-    return any(value is _ZEROS_LIKE_FUNCTION or getattr(value, "zeros_like", None) is _ZEROS_LIKE_FUNCTION
-               for value in (namespace.get(name) for name in names) if value is not None)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):   # no source: judge by the names the code uses
+        return any(_resolves_to_zeros_like(ast.Name(id=name), namespace) or
+                   getattr(namespace.get(name), "zeros_like", None) is _ZEROS_LIKE_FUNCTION for name in code.co_names)
+
+    def visit(node) -> bool:
+        if isinstance(node, ast.If):
+            taken = _folded(node.test, cell)
+            branches = [node.body, node.orelse] if taken is None else [node.body if taken else node.orelse]
+            return visit(node.test) or any(visit(child) for branch in branches for child in branch)
+        if isinstance(node, ast.Call) and _resolves_to_zeros_like(node.func, namespace):
+            return True
+        return any(visit(child) for child in ast.iter_child_nodes(node))
+    return visit(tree)
 
 
 def bprops_calling_zeros_like(network: nn.Cell) -> list:
     """``["name (Class)", ...]``: the cells of `network` whose own ``bprop`` calls ``mindspore.ops.zeros_like``."""
     return [f"{name or 'network'} ({type(cell).__name__})" for name, cell in network.cells_and_names()
-            if _reaches_zeros_like_function(getattr(type(cell), "bprop", None))]
+            if _calls_zeros_like(getattr(type(cell), "bprop", None), cell)]
 
 
 def compiling_graph() -> bool:

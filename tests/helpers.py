@@ -4,6 +4,7 @@ from typing import Callable, Dict, List, Sequence
 import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Tensor
+from mindspore.ops import functional as F
 
 Params = Dict[str, np.ndarray]
 
@@ -157,6 +158,31 @@ def device_sinks() -> bool:
 
 def set_graph_mode() -> None:
     ms.set_context(mode=ms.GRAPH_MODE)
+
+
+# --- a loss whose bprop calls mindspore.ops.zeros_like (MindFormers' loss cells do) ------------------------------------
+
+class ZerosLikeFunction(nn.Cell):
+    """Log-softmax with its own backward, giving the integer label the gradient ``F.zeros_like(label)``."""
+
+    def construct(self, logits, label):
+        return ops.log_softmax(logits, -1), label
+
+    def bprop(self, logits, label, out, dout):
+        return dout[0] - ops.softmax(logits, -1) * dout[0].sum(-1, keepdims=True), F.zeros_like(label)
+
+
+class ZerosLikeLoss(nn.Cell):
+    """The tests' mean cross-entropy through ZerosLikeFunction; its weights are named ``net.*``."""
+
+    def __init__(self, net: nn.Cell):
+        super().__init__()
+        self.net = net
+        self.log_softmax = ZerosLikeFunction()
+
+    def construct(self, x, y):
+        logp, y = self.log_softmax(self.net(x), y)
+        return -(logp * ops.one_hot(y, 4, Tensor(1.0), Tensor(0.0))).sum(-1).mean()
 
 
 # --- token-normalised losses ---------------------------------------------------------------------------

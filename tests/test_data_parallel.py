@@ -13,7 +13,7 @@ from mindspore import nn, ops, Tensor
 from dp_worker import MAX_GRAD_NORM
 
 from helpers import (assert_params_close, assert_params_moved, ce, ClippedStep, make_mlp, make_optimizer,
-                     make_token_net, max_abs_diff, params_of, TokenLoss, train_steps)
+                     make_token_net, max_abs_diff, params_of, TokenLoss, train_steps, ZerosLikeLoss)
 from launch import msrun, repo_env, side_by_side
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "dp_worker.py")
@@ -52,19 +52,19 @@ def stand_alone(launched):
     return _load_ranks(launched["stand_alone"])
 
 
-def _single_process_reference(ranks, prefix, optimizer):
+def _single_process_reference(ranks, prefix, optimizer, loss=lambda net: nn.WithLossCell(net, ce())):
     """One process, plain nn.TrainOneStepCell, on each step's global batch: the ranks' batches concatenated."""
     global_batches = [(np.concatenate([r[f"{prefix}_x"][step] for r in ranks]),
                        np.concatenate([r[f"{prefix}_y"][step] for r in ranks]))
                       for step in range(len(ranks[0][f"{prefix}_x"]))]
     net = make_mlp()
-    loss_net = nn.WithLossCell(net, ce())
+    loss_net = loss(net)
     losses = train_steps(nn.TrainOneStepCell(loss_net, make_optimizer(optimizer, net.trainable_params())),
                          global_batches)
     return params_of(net), losses
 
 
-@pytest.mark.parametrize("path", ["model", "loop", "steps"])
+@pytest.mark.parametrize("path", ["model", "loop", "steps", "bprop"])
 def test_data_parallel_ranks_are_bit_identical(data_parallel, path):
     rank0, rank1 = (_params(r, f"{path}_param") for r in data_parallel)
     assert_params_close(rank1, rank0, rtol=0, atol=0)
@@ -80,6 +80,15 @@ def test_data_parallel_matches_single_process_on_global_batch(data_parallel, pat
     # Each rank reports its own shard's mean loss; their mean is the global batch's loss.
     rank_mean = np.mean([r[f"{path}_losses"] for r in data_parallel], axis=0)
     np.testing.assert_allclose(rank_mean, expected_losses, rtol=1e-5)
+
+
+def test_data_parallel_bprop_calling_zeros_like_matches_single_process_on_global_batch(data_parallel):
+    # MindFormers' pattern (a bprop calling mindspore.ops.zeros_like) through GradAccumulationCell in graph mode.
+    expected, expected_losses = _single_process_reference(data_parallel, "bprop", "momentum", ZerosLikeLoss)
+    actual = _params(data_parallel[0], "bprop_param")   # named net.* by ZerosLikeLoss, as the reference's are
+    assert_params_moved(actual, {f"net.{name}": value for name, value in _params(data_parallel[0], "initial").items()})
+    assert_params_close(actual, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.mean([r["bprop_losses"] for r in data_parallel], axis=0), expected_losses, rtol=1e-5)
 
 
 def test_data_parallel_accumulating_steps_match_single_process_on_global_window(data_parallel):

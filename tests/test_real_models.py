@@ -1,6 +1,7 @@
 """Models nobody here wrote, at tiny configs on CPU, against the plain full batch: MindFormers' LLaMA (its own loss
 with custom bprops and a (1,) loss, -100 labels, right-padded ragged batches through the token route, shared position
-ids, Model.train) and mindcv's ViT. Skipped, saying why, where a library is absent."""
+ids, Model.train), through both cells in graph mode and GradAccumulationCell in PyNative mode, and mindcv's ViT.
+Skipped, saying why, where a library is absent."""
 import warnings
 
 import numpy as np
@@ -23,6 +24,11 @@ BATCH, SEQ, VOCAB, PAD = 8, 8, 64, 0
 FRACTION = 1e-3   # check_equivalence's tolerance; measured worst: 3.7e-4 (attention wq, tiny and cancelling gradients)
 MOVED = dict(min_change=1e-6)
 MODES = [pytest.param(ms.GRAPH_MODE, id="graph"), pytest.param(ms.PYNATIVE_MODE, id="pynative")]
+# (mode, cell): both cells in graph mode (MindFormers' loss cells have bprops calling mindspore.ops.zeros_like, which
+# GradAccumulationCell's nested gradient compiles through _internals, 9.), GradAccumulationCell in PyNative mode.
+WAYS = [pytest.param(ms.GRAPH_MODE, "GradAccumulationCell", id="graph-GradAccumulationCell"),
+        pytest.param(ms.GRAPH_MODE, "AccumulatingTrainOneStepCell", id="graph-AccumulatingTrainOneStepCell"),
+        pytest.param(ms.PYNATIVE_MODE, "GradAccumulationCell", id="pynative-GradAccumulationCell")]
 
 
 def make_llama(per_token: bool = False) -> nn.Cell:
@@ -40,12 +46,11 @@ def make_llama(per_token: bool = False) -> nn.Cell:
     return model
 
 
-def _accumulating(model, optimizer):
-    """The train cell that carries MindFormers' loss in each mode: in a compiled graph its bprops call
-    mindspore.ops.zeros_like, which MindSpore cannot compile nested (test_bprop); in PyNative either cell."""
-    if ms.get_context("mode") == ms.GRAPH_MODE:
-        return AccumulatingTrainOneStepCell(model, optimizer, 1, micro_size=K)
-    return nn.TrainOneStepCell(GradAccumulationCell(model, K), optimizer)
+def accumulating(cell: str, **kwargs):
+    """``wrap(model, optimizer)`` training through `cell`, with `kwargs` for it (per_token_loss, shared_inputs)."""
+    if cell == "AccumulatingTrainOneStepCell":
+        return lambda model, optimizer: AccumulatingTrainOneStepCell(model, optimizer, 1, micro_size=K, **kwargs)
+    return lambda model, optimizer: nn.TrainOneStepCell(GradAccumulationCell(model, K, **kwargs), optimizer)
 
 
 def _report(name, actual, expected, initial):
@@ -77,14 +82,14 @@ def _token_batches(steps=3, seed=0):
     return batches
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode, cell", WAYS)
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
-def test_real_models_llama_own_loss_trains_like_the_full_batch(mode, optimizer):
+def test_real_models_llama_own_loss_trains_like_the_full_batch(mode, cell, optimizer):
     ms.set_context(mode=mode)
     batches = [(Tensor(np.random.RandomState(s).randint(1, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)),)
                for s in range(3)]
     expected, expected_losses, initial = _train(make_llama(), nn.TrainOneStepCell, batches, optimizer)
-    actual, losses, _ = _train(make_llama(), _accumulating, batches, optimizer)
+    actual, losses, _ = _train(make_llama(), accumulating(cell), batches, optimizer)
     assert_params_moved(expected, initial, **MOVED)
     _report("llama_own_loss_trains_like_the_full_batch", actual, expected, initial)
     assert_updates_close(actual, expected, initial, fraction=FRACTION)
@@ -92,17 +97,9 @@ def test_real_models_llama_own_loss_trains_like_the_full_batch(mode, optimizer):
     np.testing.assert_allclose([l.asnumpy() for l in losses], [l.asnumpy() for l in expected_losses], rtol=1e-5)
 
 
-def test_real_models_llama_gradaccumulationcell_in_graph_mode_names_mindformers_loss_cells():
-    model = make_llama()
-    step = nn.TrainOneStepCell(GradAccumulationCell(model, K), make_optimizer("sgd", model.trainable_params()))
-    with pytest.raises(RuntimeError, match=r"holds cells whose bprop calls mindspore.ops.zeros_like: loss._log_softmax "
-                                           r"\(_LogSoftmax\), loss._nllloss \(_NLLLoss\)\..*AccumulatingTrainOneStep"):
-        step(Tensor(np.ones((BATCH, SEQ + 1), np.int32)))
-
-
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode, cell", WAYS)
 @pytest.mark.parametrize("route", ["config", "token_sum_loss"])
-def test_real_models_llama_ragged_masked_batches_through_the_token_route(mode, route):
+def test_real_models_llama_ragged_masked_batches_through_the_token_route(mode, cell, route):
     # The full batch's loss is the mean over all its valid tokens; micro-batches hold very different numbers of them.
     ms.set_context(mode=mode)
     batches = _token_batches()
@@ -115,19 +112,14 @@ def test_real_models_llama_ragged_masked_batches_through_the_token_route(mode, r
         model.loss = token_sum_loss(model.loss)        # the same, on a model already built
         return model
 
-    def wrap(model, optimizer, exact=True):
-        if ms.get_context("mode") == ms.GRAPH_MODE:
-            return AccumulatingTrainOneStepCell(model, optimizer, 1, micro_size=K, per_token_loss=exact)
-        return nn.TrainOneStepCell(GradAccumulationCell(model, K, per_token_loss=exact), optimizer)
-
-    actual, losses, _ = _train(per_token_model(), wrap, batches)
+    actual, losses, _ = _train(per_token_model(), accumulating(cell, per_token_loss=True), batches)
     assert_params_moved(expected, initial, **MOVED)
     _report("llama_ragged_masked_batches_through_the_token_route", actual, expected, initial)
     assert_updates_close(actual, expected, initial, fraction=FRACTION)
     np.testing.assert_allclose([float(l.asnumpy().reshape(-1)[0]) for l in losses],
                                [float(l.asnumpy().reshape(-1)[0]) for l in expected_losses], rtol=1e-5)
     # Negative control: MindFormers' mean per micro-batch, weighted by rows (declared so: no warning).
-    control, _, _ = _train(make_llama(), lambda m, o: wrap(m, o, exact=False), batches)
+    control, _, _ = _train(make_llama(), accumulating(cell, per_token_loss=False), batches)
     with pytest.raises(AssertionError, match="differs from the reference by"):
         assert_updates_close(control, expected, initial, fraction=FRACTION)
 
@@ -138,21 +130,16 @@ def test_real_models_llama_loss_without_the_token_route_is_warned():
         GradAccumulationCell(make_llama(), K)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_real_models_llama_shared_position_ids_and_none_inputs_pass_through(mode):
+@pytest.mark.parametrize("mode, cell", WAYS)
+def test_real_models_llama_shared_position_ids_and_none_inputs_pass_through(mode, cell):
     # model(input_ids, labels, input_position=None, position_ids (1, T) shared by the batch).
     ms.set_context(mode=mode)
     position_ids = Tensor(np.arange(SEQ, dtype=np.int32).reshape(1, SEQ))
     batches = [(ids, labels, None, position_ids) for ids, labels in _token_batches(2, seed=1)]
 
-    def wrap(model, optimizer):
-        if ms.get_context("mode") == ms.GRAPH_MODE:
-            return AccumulatingTrainOneStepCell(model, optimizer, 1, micro_size=K, per_token_loss=True,
-                                                shared_inputs=(3,))
-        return nn.TrainOneStepCell(GradAccumulationCell(model, K, per_token_loss=True, shared_inputs=(3,)), optimizer)
-
     expected, _, initial = _train(make_llama(), nn.TrainOneStepCell, batches)
-    actual, _, _ = _train(make_llama(per_token=True), wrap, batches)
+    actual, _, _ = _train(make_llama(per_token=True), accumulating(cell, per_token_loss=True, shared_inputs=(3,)),
+                          batches)
     assert_params_moved(expected, initial, **MOVED)
     _report("llama_shared_position_ids_and_none_inputs_pass_through", actual, expected, initial)
     assert_updates_close(actual, expected, initial, fraction=FRACTION)
@@ -163,8 +150,8 @@ def _token_dataset():
     return ds.GeneratorDataset(lambda: iter(rows), ["input_ids", "labels"], shuffle=False).batch(BATCH)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_real_models_llama_model_train_with_loss_monitor(mode, capsys):
+@pytest.mark.parametrize("mode, cell", WAYS)
+def test_real_models_llama_model_train_with_loss_monitor(mode, cell, capsys):
     ms.set_context(mode=mode)
     reference = make_llama()
     initial = params_of(reference)
@@ -175,7 +162,7 @@ def test_real_models_llama_model_train_with_loss_monitor(mode, capsys):
     model = make_llama(per_token=True)
     optimizer = make_optimizer("momentum", model.trainable_params())
     losses = RecordLoss()
-    if mode == ms.GRAPH_MODE:
+    if cell == "AccumulatingTrainOneStepCell":
         trained = Model(AccumulatingTrainOneStepCell(model, optimizer, 1, micro_size=K, per_token_loss=True))
     else:
         trained = Model(GradAccumulationCell(model, K, per_token_loss=True), optimizer=optimizer)

@@ -25,7 +25,7 @@ from mindspore.train import Model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/, for helpers
 from helpers import (ce, classification_batches, classification_dataset, make_mlp, make_optimizer,  # noqa: E402
-                     make_token_net, params_of, RecordLoss, token_batches, TokenLoss)
+                     make_token_net, params_of, RecordLoss, token_batches, TokenLoss, ZerosLikeLoss)
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # noqa: E402
 
 STEPS, BATCH, MICRO_SIZE = 3, 16, 4  # per-rank batch
@@ -52,6 +52,12 @@ def train(out_dir: str, rank: int, group: int) -> None:
     step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(loop_net, ce()), MICRO_SIZE),
                                make_optimizer("adam", loop_net.trainable_params()))
     loop_losses = [float(step(Tensor(x), Tensor(y)).asnumpy()) for x, y in loop_batches]
+
+    # A loss whose bprop calls mindspore.ops.zeros_like (MindFormers' pattern), through GradAccumulationCell.
+    bprop_net = make_mlp()
+    bprop_step = nn.TrainOneStepCell(GradAccumulationCell(ZerosLikeLoss(bprop_net), MICRO_SIZE),
+                                     make_optimizer("momentum", bprop_net.trainable_params()))
+    bprop_losses = [float(bprop_step(Tensor(x), Tensor(y)).asnumpy()) for x, y in loop_batches]
 
     # AccumulatingTrainOneStepCell: windows of MICRO_SIZE consecutive per-rank batches of BATCH // MICRO_SIZE.
     small = BATCH // MICRO_SIZE
@@ -82,15 +88,18 @@ def train(out_dir: str, rank: int, group: int) -> None:
 
     arrays = {"model_losses": np.array(record.losses), "loop_losses": np.array(loop_losses),
               "steps_losses": np.array(steps_losses), "clip_losses": np.array(clip_losses),
+              "bprop_losses": np.array(bprop_losses),
               "token_losses": np.array(token_losses), "window_last_loss": np.array(window_cell.last_window_loss)}
     for name, index in (("x", 0), ("y", 1), ("mask", 2)):
         arrays[f"token_{name}"] = np.stack([batch[index] for batch in token_data])
-    for prefix, batches in (("model", model_batches), ("loop", loop_batches), ("steps", steps_batches)):
+    for prefix, batches in (("model", model_batches), ("loop", loop_batches), ("steps", steps_batches),
+                            ("bprop", loop_batches)):
         arrays[f"{prefix}_x"] = np.stack([x for x, _ in batches])
         arrays[f"{prefix}_y"] = np.stack([y for _, y in batches])
     for prefix, values in (("initial", initial), ("model_param", params_of(net)), ("loop_param", params_of(loop_net)),
                            ("steps_param", params_of(steps_net)), ("clip_param", params_of(clip_net)),
-                           ("token_param", params_of(token_net)), ("window_param", params_of(window_net))):
+                           ("token_param", params_of(token_net)), ("window_param", params_of(window_net)),
+                           ("bprop_param", params_of(bprop_net))):
         arrays.update({f"{prefix}:{name}": value for name, value in values.items()})
     np.savez(os.path.join(out_dir, f"rank_{rank}.npz"), **arrays)
 
