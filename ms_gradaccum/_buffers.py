@@ -60,17 +60,19 @@ def buffer_dtype(weight: Parameter):
 
 
 class GradientBuffers(nn.Cell):
-    """The ``accu_grads.<weight>`` buffers of a cell, one per trained weight, created when first asked for.
+    """The ``accu_grads.<weight>`` buffers of a cell (`prefix` ``.<weight>``), one per trained weight, created when
+    first asked for.
 
     :meth:`for_weights` returns the buffers of exactly the weights given, creating missing ones and dropping those
     of weights no longer trained, so a frozen weight costs no buffer memory and is not in checkpoints.
     """
 
-    def __init__(self):
+    def __init__(self, prefix: str = GRAD_PREFIX):
         super().__init__(auto_prefix=False)
+        self.prefix = prefix
 
     def for_weights(self, weights: Sequence[Parameter]) -> ParameterTuple:
-        keys = [f"{GRAD_PREFIX}.{weight.name}" for weight in weights]
+        keys = [f"{self.prefix}.{weight.name}" for weight in weights]
         for key, weight in zip(keys, weights):
             buffer = self._params.get(key)
             if buffer is None or buffer.shape != weight.shape or buffer.dtype != buffer_dtype(weight):

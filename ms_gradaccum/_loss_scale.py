@@ -27,7 +27,7 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._internals import applied_sens, compile_time, enclosing_train_cell
 from ms_gradaccum._validation import argument_error, computes_in_float16
 
-_SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)
+SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)
 _SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
                                    "nn.FixedLossScaleUpdateCell",
                    "loss_scale": "None, a positive finite float, or a scalar Tensor or Parameter"}
@@ -184,14 +184,19 @@ def for_grad_accumulation_cell(loss_scale: Any, owner: nn.Cell, network: nn.Cell
     return FixedScale(value, cls_name, network, _CELL_FIX)
 
 
-def for_train_cell(scale_sense: Any, network: nn.Cell, cls_name: str) -> Tuple[LossScale, Optional[nn.Cell]]:
-    """``(scale, update cell or None)`` from what ``nn.TrainOneStepWithLossScaleCell`` takes as `scale_sense`; the
-    scale lives in a Parameter named ``scale_sense`` (checkpoints carry it)."""
+def for_train_cell(scale_sense: Any, network: nn.Cell, cls_name: str,
+                   managers: tuple = SCALE_MANAGERS) -> Tuple[LossScale, Optional[nn.Cell]]:
+    """``(scale, update cell or None)`` from what ``nn.TrainOneStepWithLossScaleCell`` takes as `scale_sense` (an
+    update cell being one of `managers`); the scale lives in a Parameter named ``scale_sense`` (checkpoints carry it)."""
     if scale_sense is None:
         return NoScale(cls_name, network, _TRAIN_CELL_FIX), None
     if isinstance(scale_sense, nn.Cell):
-        if not isinstance(scale_sense, _SCALE_MANAGERS):
-            raise TypeError(argument_error(cls_name, "scale_sense", _SCALE_EXPECTED["scale_sense"], scale_sense))
+        if not isinstance(scale_sense, managers):
+            expected = _SCALE_EXPECTED["scale_sense"]
+            if managers != SCALE_MANAGERS:
+                expected = (f"a positive finite float, a scalar Tensor or one of "
+                            f"{', '.join(manager.__name__ for manager in managers)}")
+            raise TypeError(argument_error(cls_name, "scale_sense", expected, scale_sense))
         value = check_scale_value(scale_sense.get_loss_scale(), "scale_sense", cls_name)
         manager = scale_sense
     else:

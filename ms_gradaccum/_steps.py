@@ -149,6 +149,12 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         (False, 4096.0)
     """
 
+    # For subclasses that adapt another trainer (ms_gradaccum.mindformers): the prefix of the buffers' names, which
+    # checkpoints carry, and the loss-scale update cells `scale_sense` may be (same protocol: get_loss_scale(), and
+    # construct(scale, overflow) -> overflow).
+    buffer_prefix = _buffers.GRAD_PREFIX
+    scale_update_cells = _loss_scale.SCALE_MANAGERS
+
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int, *,
                  micro_size: Optional[int] = None, per_token_loss: Optional[bool] = None,
                  shared_inputs: Optional[tuple] = None, steps_per_epoch: Optional[int] = None, scale_sense=None,
@@ -164,7 +170,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         if steps_per_epoch is not None:
             steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
         max_grad_norm = _loss_scale.check_max_grad_norm(max_grad_norm, _NAME)
-        scale, manager = _loss_scale.for_train_cell(scale_sense, loss_network, _NAME)
+        scale, manager = _loss_scale.for_train_cell(scale_sense, loss_network, _NAME, self.scale_update_cells)
         check_has_parameters(loss_network, "network", _NAME)
         parts = [f"micro_size={micro_size} micro-batches"] if micro_size > 1 else []
         parts += [f"accumulate_steps={accumulate_steps} batches per optimizer step"] if accumulate_steps > 1 else []
@@ -190,7 +196,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         # cell's engine, and its own buffers (if a graph of it was compiled before) are dropped, one name each.
         if isinstance(network, GradAccumulationCell):
             network.gradient_buffers.for_weights([])
-        self.gradient_buffers = GradientBuffers()
+        self.gradient_buffers = GradientBuffers(self.buffer_prefix)
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
         self.shared_inputs = shared_inputs
         self.engine = MicroBatchGradients(loss_network, micro_size, per_token_loss, overwrite=False,
@@ -249,6 +255,13 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         return ops.depend(self.count_unit * 1.0, unit)
 
     def construct(self, *inputs):
+        loss, overflow, scale = self._train_step(*inputs)
+        if self.loss_scaled:
+            return loss, overflow, scale
+        return ops.depend(loss, overflow)
+
+    def _train_step(self, *inputs):
+        """One call: ``(the batch's loss, whether the window closed here overflowed, the loss scale)``."""
         run_compile_checks(self.compile_checks)
         # Under data parallel, the first step first checks that every rank holds the same weights.
         scale = self.replicas(self.loss_scale())
@@ -268,9 +281,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         if ops.logical_or(self.window_position >= self.accumulate_steps, epoch_end):
             overflow = self._apply_window(scale)
         batch_loss = ops.reshape(batch_loss, loss_like.shape)   # the network's loss shape: () or (1,)
-        if self.loss_scaled:
-            return batch_loss, overflow, ops.depend(self.loss_scale(), overflow)
-        return ops.depend(batch_loss, overflow)
+        return batch_loss, overflow, ops.depend(self.loss_scale(), overflow)
 
     def _apply_window(self, scale):
         """Optimizer step with the window's mean gradient, reduced across devices once; then reset.
@@ -313,16 +324,20 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         return ops.depend(overflow, done)
 
     def _step(self, mean):
-        """Clipping (if set) and the optimizer, on the window's mean gradient."""
+        """Clipping (if set) and the optimizer, on the window's mean gradient (the buffers, divided in place)."""
         if self.clip:
-            mean = ops.clip_by_global_norm(mean, self.max_grad_norm)
-        elif self.reduce_in_place and self.buffers_match_weights:
-            # The optimizer reads the buffers themselves, each right before its update. Handing it `mean` would
+            return self._optimize(ops.clip_by_global_norm(mean, self.max_grad_norm), False)
+        return self._optimize(mean, True)
+
+    def _optimize(self, grads, are_buffers: bool):
+        """The optimizer on `grads`; `are_buffers` says they are the buffers themselves (a constant)."""
+        if are_buffers and self.reduce_in_place and self.buffers_match_weights:
+            # The optimizer reads the buffers themselves, each right before its update. Handing it `grads` would
             # read them all at one point before the first update, and MindSpore copies every read of a Parameter
             # that is read more than once in a graph (TensorMove; here the all-reduce reads them too): all the
             # copies alive at once, +1.0x the weights, measured on 2 ranks.
             return self.optimizer(self.grad_sums)
-        return self.optimizer(_buffers.cast_like(self.hyper_map, mean, self.weights))
+        return self.optimizer(_buffers.cast_like(self.hyper_map, grads, self.weights))
 
     @ms.jit
     def _flush_graph(self):

@@ -160,6 +160,27 @@ def set_graph_mode() -> None:
     ms.set_context(mode=ms.GRAPH_MODE)
 
 
+# --- MindFormers' LLaMA, tiny ----------------------------------------------------------------------------------------
+
+LLAMA_SEQ, LLAMA_VOCAB = 8, 64
+
+
+def make_llama(per_token: bool = False) -> nn.Cell:
+    """A one-layer LLaMA in float32, the same weights every time. CPU has no RmsNorm kernel and no 4-D x 2-D
+    BatchMatMul, hence fused_rms_norm=False and use_rope_slice=True; nor lazy_inline, which MindFormers turns on under
+    data parallel unless the config (given as config=) disables it. The same model otherwise."""
+    from mindformers import LlamaConfig, LlamaForCausalLM   # pylint: disable=import-outside-toplevel
+    ms.set_seed(0)
+    config = LlamaConfig(batch_size=1, seq_length=LLAMA_SEQ, hidden_size=32, num_layers=1, num_heads=2,
+                         vocab_size=LLAMA_VOCAB, pad_token_id=0, compute_dtype="float32",
+                         layernorm_compute_type="float32", softmax_compute_type="float32", rotary_dtype="float32",
+                         param_init_type="float32", use_flash_attention=False, use_past=False, use_rope_slice=True,
+                         fused_rms_norm=False, calculate_per_token_loss=per_token, disable_lazy_inline=True)
+    model = LlamaForCausalLM(config=config)
+    model.set_train(True)
+    return model
+
+
 # --- a loss whose bprop calls mindspore.ops.zeros_like (MindFormers' loss cells do) ------------------------------------
 
 class ZerosLikeFunction(nn.Cell):

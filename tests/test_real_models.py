@@ -12,14 +12,14 @@ from mindspore import nn, Tensor
 from mindspore.train import LossMonitor, Model
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, token_sum_loss
-from helpers import (assert_params_moved, assert_updates_close, ce, classification_batches, make_optimizer, params_of,
-                     RecordLoss, update_ratios)
+from helpers import (assert_params_moved, assert_updates_close, ce, classification_batches, LLAMA_SEQ as SEQ,
+                     LLAMA_VOCAB as VOCAB, make_llama, make_optimizer, params_of, RecordLoss, update_ratios)
 
 mindformers = pytest.importorskip("mindformers", reason="MindFormers is not installed (.ci/run installs 2.1.0)")
 mindcv = pytest.importorskip("mindcv", reason="mindcv is not installed (.ci/run installs it)")
 
 K = 4
-BATCH, SEQ, VOCAB, PAD = 8, 8, 64, 0
+BATCH, PAD = 8, 0
 # Of each parameter's own full-batch update: float32 summation order differs between the two paths.
 FRACTION = 1e-3   # check_equivalence's tolerance; measured worst: 3.7e-4 (attention wq, tiny and cancelling gradients)
 MOVED = dict(min_change=1e-6)
@@ -29,21 +29,6 @@ MODES = [pytest.param(ms.GRAPH_MODE, id="graph"), pytest.param(ms.PYNATIVE_MODE,
 WAYS = [pytest.param(ms.GRAPH_MODE, "GradAccumulationCell", id="graph-GradAccumulationCell"),
         pytest.param(ms.GRAPH_MODE, "AccumulatingTrainOneStepCell", id="graph-AccumulatingTrainOneStepCell"),
         pytest.param(ms.PYNATIVE_MODE, "GradAccumulationCell", id="pynative-GradAccumulationCell")]
-
-
-def make_llama(per_token: bool = False) -> nn.Cell:
-    """A one-layer LLaMA in float32, the same weights every time. CPU has no RmsNorm kernel and no 4-D x 2-D
-    BatchMatMul, hence fused_rms_norm=False and use_rope_slice=True (the same model otherwise)."""
-    from mindformers import LlamaConfig, LlamaForCausalLM   # pylint: disable=import-outside-toplevel
-    ms.set_seed(0)
-    config = LlamaConfig(batch_size=1, seq_length=SEQ, hidden_size=32, num_layers=1, num_heads=2, vocab_size=VOCAB,
-                         pad_token_id=PAD, compute_dtype="float32", layernorm_compute_type="float32",
-                         softmax_compute_type="float32", rotary_dtype="float32", param_init_type="float32",
-                         use_flash_attention=False, use_past=False, use_rope_slice=True, fused_rms_norm=False,
-                         calculate_per_token_loss=per_token)
-    model = LlamaForCausalLM(config)
-    model.set_train(True)
-    return model
 
 
 def accumulating(cell: str, **kwargs):
