@@ -270,3 +270,15 @@ def test_mindformers_module_is_imported_only_by_whoever_uses_it_and_names_the_in
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "MindFormers cannot be imported" in done.stdout and "pip install mindformers==2.1.0" in done.stdout
+
+
+def test_mindformers_sample_finetunes_through_the_trainer_in_graph_mode(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(REPO, "sample_code", "mindformers_llama", "finetune.py"),
+                           "--epochs", "1", "--output-dir", str(tmp_path / "output")],
+                          env=repo_env(GLOG_v="3"), capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = next(line for line in done.stdout.splitlines() if line.startswith("finetune: "))
+    assert ("32 dataset steps of 16 rows in 4 micro-batches, 16 optimizer steps of 2 dataset steps each, GRAPH_MODE"
+            in summary), summary
+    first, last = (float(value) for value in summary.rsplit("loss ", 1)[1].split(" (")[0].split(" -> "))
+    assert last < 0.9 * first, summary   # it learns
