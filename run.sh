@@ -23,6 +23,24 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+for arg in "$@"; do
+  if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
+    # run.sh's own usage (its header), then the sample's options once, from the Python run.sh would use (nothing is
+    # installed for this): not 8 workers each printing them.
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    echo
+    echo "Options of sample_code/distributed_gradient_accumulation/train.py (given after N):"
+    for candidate in "${PYTHON:-python3}" "${RUN_SH_VENV:-$PWD/.venv}/bin/python"; do
+      if PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$candidate" sample_code/distributed_gradient_accumulation/train.py \
+           --help 2>/dev/null | sed -n '/^options:/,$p' | sed '1d'; then
+        [ "${PIPESTATUS[0]:-1}" = 0 ] && exit 0
+      fi
+    done
+    echo "  (listed once a Python with MindSpore is found: after a first 'bash run.sh', or with PYTHON=<that python>)"
+    exit 0
+  fi
+done
+
 workers=8
 if [ $# -gt 0 ] && [[ "$1" != -* ]]; then workers="$1"; shift; fi
 usage="Usage: [NNODES=.. NODE_RANK=.. MASTER_ADDR=.. MASTER_PORT=..] bash run.sh [N] [train.py args...]"

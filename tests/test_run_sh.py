@@ -89,6 +89,16 @@ def test_run_sh_killed_rank_fails_fast_with_its_log(tmp_path, launcher):
     assert not _processes_with_env(marker, 0), "rank 0 was left running"
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_run_sh_help_prints_its_usage_and_the_samples_options_once(flag):
+    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "4", flag], capture_output=True, text=True, timeout=120, check=False,
+                          env=repo_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("The main job: train the sample") == 1           # run.sh's own usage
+    assert done.stdout.count("--micro-size MICRO_SIZE") == 1                   # the sample's options, once
+    assert "worker(s) on" not in done.stdout and "FAILED" not in done.stdout   # nothing launched
+
+
 def test_run_sh_rejects_bad_worker_count():
     done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "two"], capture_output=True, text=True, timeout=30,
                           check=False)
