@@ -96,10 +96,13 @@ def computes_in_float16(network: nn.Cell) -> bool:
 
 
 def batch_norm_cells(network: nn.Cell) -> list:
-    """Names (and types) of the cells of ``network`` that keep batch statistics: BatchNorm of any dimension,
-    SyncBatchNorm, or any cell with a ``moving_mean`` / ``moving_variance`` parameter."""
+    """Names (and types) of the cells of ``network`` that normalise with batch statistics in training: BatchNorm of
+    any dimension, SyncBatchNorm, or any cell with a ``moving_mean`` / ``moving_variance`` parameter, unless it is
+    set to use its moving statistics (``use_batch_statistics=False``), where micro-batches change nothing."""
     found = []
     for name, cell in network.cells_and_names():
+        if getattr(cell, "use_batch_statistics", None) is False:
+            continue
         own = [param.name for param in cell.get_parameters(expand=False)]
         if isinstance(cell, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)) or any(
                 param.split(".")[-1] in ("moving_mean", "moving_variance") for param in own):

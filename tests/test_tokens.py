@@ -114,11 +114,22 @@ class _LossAndAccuracy(nn.Cell):
         return self.ce(logits, y), (logits.argmax(axis=1) == y).astype(ms.float32).mean()
 
 
+class _LossAndItems(_LossAndAccuracy):
+    """A detector's (loss, loss_items): the second element holds 3 entries (it hit a Reshape error in graph mode)."""
+
+    def construct(self, x, y):
+        loss = self.ce(self.net(x), y)
+        return loss, ops.stack([loss, loss * 2, loss * 3])
+
+
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+@pytest.mark.parametrize("outputs", ["accuracy", "loss_items"])
 @pytest.mark.parametrize("make", ["cell", "accumulating", "accumulating_micro"])
-def test_tokens_tuple_without_per_token_loss_is_refused(make):
+def test_tokens_tuple_without_per_token_loss_is_refused(make, outputs, mode):
     # A (loss, accuracy) network used to be taken as (loss_sum, count): a 1.9x update, or inf with accuracy 0.
+    ms.set_context(mode=mode)
     net = make_mlp()
-    loss_net = _LossAndAccuracy(net)
+    loss_net = (_LossAndAccuracy if outputs == "accuracy" else _LossAndItems)(net)
     opt = make_optimizer("sgd", net.trainable_params())
     if make == "cell":
         step = nn.TrainOneStepCell(GradAccumulationCell(loss_net, K), opt)
@@ -128,8 +139,9 @@ def test_tokens_tuple_without_per_token_loss_is_refused(make):
         name = "AccumulatingTrainOneStepCell"
     initial = params_of(net)
     x, y = classification_batches(1, 16)[0]
+    shapes = "((), ())" if outputs == "accuracy" else "((), (3,))"
     expected = (f"For '{name}', the argument 'network' must return a scalar loss, but it returned a tuple of 2 "
-                f"element(s) with shapes ((), ()). Auxiliary outputs (logits, metrics) are not carried through the "
+                f"element(s) with shapes {shapes}. Auxiliary outputs (logits, metrics) are not carried through the "
                 f"accumulation: return only the loss. If the tuple is (loss_sum, count), e.g. a masked token loss and "
                 f"the number of valid tokens, pass per_token_loss=True.")
     with pytest.raises(ValueError, match=re.escape(expected)):

@@ -8,7 +8,8 @@ import mindspore as ms
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from helpers import ce, make_mlp
+from helpers import (_seeded, assert_params_close, assert_params_moved, ce, classification_batches, make_mlp,
+                     make_optimizer, params_of, reference_run, train_steps)
 
 
 def _loss_net():
@@ -178,6 +179,27 @@ def test_validation_no_warning_without_batch_norm_or_when_silenced():
         GradAccumulationCell(nn.WithLossCell(make_mlp(), ce()), 4)
         GradAccumulationCell(nn.WithLossCell(_bn_net(), ce()), 1)          # one micro-batch: nothing differs
         warnings.filterwarnings("ignore", message=re.escape("GradAccumulationCell: the network has batch normal"))
+        GradAccumulationCell(nn.WithLossCell(_bn_net(), ce()), 4)
+
+
+def test_validation_batch_norm_on_moving_statistics_is_not_warned_and_trains_exactly():
+    # use_batch_statistics=False normalises with the moving statistics: micro-batches change nothing.
+    def moving_bn_net():
+        return _seeded(nn.SequentialCell(nn.Dense(16, 32), nn.BatchNorm1d(32, use_batch_statistics=False), nn.ReLU(),
+                                         nn.Dense(32, 4)), 0)
+
+    batches = classification_batches(3, 32)
+    expected, _, initial = reference_run(moving_bn_net, ce(), "momentum", batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net = moving_bn_net()
+        step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, ce()), 4),
+                                   make_optimizer("momentum", net.trainable_params()))
+    train_steps(step, batches)
+    assert_params_moved(expected, initial)
+    assert_params_close(params_of(net), expected, rtol=1e-5, atol=1e-6)
+    # Control: the same BatchNorm on batch statistics is warned.
+    with pytest.warns(UserWarning, match="batch normalisation"):
         GradAccumulationCell(nn.WithLossCell(_bn_net(), ce()), 4)
 
 
