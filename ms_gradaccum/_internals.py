@@ -454,6 +454,18 @@ def bprops_calling_zeros_like(network: nn.Cell) -> list:
             if _calls_zeros_like(getattr(type(cell), "bprop", None), cell)]
 
 
+def training_under_model() -> bool:
+    """Whether the caller runs inside ``mindspore.train.Model.train`` (a frame of ``Model._train`` on the stack, found
+    the way the enclosing cells are, see 5.; mindspore/train/model.py, checked 2.7.0-2.10.0). Used for a warning only."""
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_train" and code.co_filename.replace("\\", "/").endswith("mindspore/train/model.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def compiling_graph() -> bool:
     """Whether the caller runs while a graph is being compiled: GRAPH_MODE, or an ``ms.jit`` function being compiled in
     PyNative mode (the jit wrapper's ``staging_specialize`` frame, see 5.)."""

@@ -1,5 +1,6 @@
 """AccumulatingTrainOneStepCell: one optimizer step every `accumulate_steps` batches, each batch optionally split into
 `micro_size` micro-batches."""
+import warnings
 from typing import Optional
 
 import mindspore as ms
@@ -11,7 +12,7 @@ from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._cell import GradAccumulationCell
 from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._internals import (PARALLEL_PASS_MODES, CompileChecks, enclosing_optimizer, parallel_mode, primexpr,
-                                     run_compile_checks)
+                                     run_compile_checks, training_under_model)
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._tokens import warn_token_mean
 from ms_gradaccum._validation import (argument_error, check_bool, check_cell, check_has_parameters,
@@ -47,7 +48,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     even when it is short, weighted by what it holds; an epoch shorter than `accumulate_steps` still trains, once.
     Under ``Model``, :class:`GradAccumulationScheduler` closes every epoch's last window at the end of the epoch
     that actually ran. Otherwise windows run across epoch boundaries, and a partial window at the end of training
-    stays pending until :meth:`flush` applies it.
+    stays pending until :meth:`flush` applies it; under ``Model`` the cell then warns when it compiles.
 
     The optimizer's own step counter, and so its learning-rate schedule, advances once per optimizer step.
     The returned loss is the current batch's loss (what ``LossMonitor`` prints); the mean loss of the last
@@ -240,6 +241,22 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
                 f"that holds an optimizer too (Model(cell, optimizer=...) builds one), which would apply a second, "
                 f"zero update. Train it as Model({_NAME}(...)) without optimizer=, or call it directly.")
         self.loss_scale.check()
+        self._warn_windows_across_epochs()
+
+    def _warn_windows_across_epochs(self) -> None:
+        """One UserWarning when Model trains this cell with windows of several batches and nothing closes an epoch's
+        last window: it would run on into the next epoch, and the last one of training would never be applied."""
+        if self.__dict__.get("_epoch_windows_closed") or self.__dict__.get("_warned_windows"):
+            return
+        steps = int(self.accumulate_steps.asnumpy())
+        if steps > 1 and int(self.steps_per_epoch.asnumpy()) == 0 and training_under_model():
+            object.__setattr__(self, "_warned_windows", True)
+            warnings.warn(
+                f"{type(self).__name__}: Model trains windows of accumulate_steps={steps} batches, but nothing closes "
+                f"an epoch's last window: it runs on into the next epoch, and a window still open when training ends "
+                f"is never applied (pending_batches counts it). Pass callbacks=[GradAccumulationScheduler({{0: "
+                f"{steps}}})] to Model.train, which closes every epoch's last window as Lightning does, or "
+                f"steps_per_epoch=<batches per epoch> to the cell.", UserWarning, stacklevel=2)
 
     def _targets(self) -> tuple:
         """``(weights, buffers)``: the optimizer's parameters, as for nn.TrainOneStepCell, and their buffers."""
@@ -352,7 +369,9 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
 
     @property
     def pending_batches(self) -> int:
-        """Batches accumulated since the last optimizer step."""
+        """Batches accumulated since the last optimizer step. A hand-written loop that ends with pending batches has
+        not applied them: call :meth:`flush` (or declare `steps_per_epoch`). Under ``Model`` without
+        :class:`GradAccumulationScheduler` or `steps_per_epoch` the cell warns when it compiles."""
         return int(self.window_position.asnumpy())
 
     @property

@@ -1,5 +1,6 @@
 """GradAccumulationScheduler and AccumulatingTrainOneStepCell under ms.Model."""
 import re
+import warnings
 
 import numpy as np
 import mindspore as ms
@@ -105,6 +106,32 @@ def test_scheduler_model_loss_monitor_prints_per_batch_loss_and_window_mean_is_a
     np.testing.assert_allclose(printed, counter.losses, rtol=1e-6)
     assert counter.per_epoch == [2]
     assert cell.last_window_loss == pytest.approx(np.mean(counter.losses[4:]), rel=1e-5)
+
+
+WINDOWS_WARNING = "nothing closes an epoch's last window"
+
+
+def test_scheduler_missing_under_model_is_warned_with_both_fixes():
+    # 8 batches in windows of 3: without the scheduler, the epoch ends with 2 batches pending.
+    net, cell, model = _model(accumulate_steps=3)
+    with pytest.warns(UserWarning, match=WINDOWS_WARNING + r".*GradAccumulationScheduler\(\{0: 3\}\).*"
+                                         r"steps_per_epoch=<batches per epoch>"):
+        model.train(1, _dataset(), dataset_sink_mode=False)
+    assert cell.pending_batches == STEPS_PER_EPOCH % 3 == 2
+    # Silent where an epoch's last window is closed: the scheduler, steps_per_epoch, or a hand-written loop.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*" + WINDOWS_WARNING)
+        _, cell, model = _model(accumulate_steps=3)
+        model.train(1, _dataset(), callbacks=[GradAccumulationScheduler({0: 3})], dataset_sink_mode=False)
+        assert cell.pending_batches == 0
+        _, cell, model = _model(accumulate_steps=3)
+        cell.set_steps_per_epoch(STEPS_PER_EPOCH)
+        model.train(1, _dataset(), dataset_sink_mode=False)
+        assert cell.pending_batches == 0
+        _, cell, _ = _model(accumulate_steps=3)
+        for x, y in _dataset().create_tuple_iterator(num_epochs=1):
+            cell(x, y)
+        assert cell.pending_batches == STEPS_PER_EPOCH % 3
 
 
 def _batches_run(batches: int, epochs: int, sink: bool, sink_size: int) -> list:
