@@ -9,7 +9,9 @@ a count, and its backward pass runs on ``loss * scale * weight``:
   ``AccumulatingTrainOneStepCell`` window). Evenly split batches of one size therefore count 1 per micro-batch and
   add their gradients unweighted; the smaller micro-batches of an uneven split, or a short batch in a window,
   are weighted by their rows, so the result is the mean over all rows, as the full batch would give;
-- a ``(loss_sum, count)`` network (``per_token_loss=True``) counts its ``count`` and has weight 1.
+- a ``(loss_sum, count)`` network (``per_token_loss=True``) counts its ``count`` and has weight 1;
+- a loss that sums its rows (``reduction='sum'``: a sum, or a mean times the rows) counts like a mean, but its value and
+  gradient are taken per row unit (weight ``1 / unit``), and the result is multiplied by the rows (:func:`normalise`).
 
 The buffers then hold ``scale * sum(weight * gradient)``, and the mean gradient is the buffers divided by
 :func:`divisor` ``= scale * total count / devices factor`` (the count being summed over devices for token losses,
@@ -174,6 +176,16 @@ def divisor(scale, count, factor):
     is 0 (nothing to learn from: the mean gradient is then exactly 0, not 0/0)."""
     value = scale * count / factor
     return ops.select(count > 0, value, ops.fill(mstype.float32, (), float("inf")))
+
+
+def normalise(scale, value, count, factor, floor, rows):
+    """``(loss, divisor)`` of a batch or window from what its micro-batches tallied, for every kind of loss:
+    ``loss = rows * value / max(count, floor)`` and the buffers' divisor ``scale * max(count, floor) / (factor * rows)``
+    (0 and infinity when that count is 0). `rows` is 1 for a mean or a token mean; the rows themselves for a loss that
+    scales with them (``reduction='sum'``: ``count * unit`` for a row loss, the batch's or window's rows for a token
+    loss); `floor` is ``min_count`` (0 unless set)."""
+    total = ops.maximum(count, floor)
+    return rows * mean_loss(value, total), divisor(scale, total, factor * rows)
 
 
 def mean_loss(value, count):

@@ -18,7 +18,8 @@ from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._tokens import warn_token_mean
 from ms_gradaccum._validation import (check_bool, check_cell, check_has_parameters, check_input_indices,
-                                      check_positive_int, no_trained_weights_error, warn_batch_norm)
+                                      check_min_count, check_positive_int, check_reduction, no_trained_weights_error,
+                                      warn_batch_norm)
 
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
@@ -61,14 +62,27 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
             f"bprop.")
 
 
-def validate_arguments(network, micro_size, per_token_loss, shared_inputs) -> tuple:
-    """The checks run before assigning anything: ``(micro_size, per_token_loss, shared_inputs)``."""
+def validate_arguments(network, micro_size, per_token_loss, shared_inputs, reduction, min_count) -> tuple:
+    """The checks run before assigning anything: ``(micro_size, per_token_loss, shared_inputs, reduction,
+    min_count)``."""
     check_cell(network, "network", _NAME)
     micro_size = check_positive_int(micro_size, "micro_size", _NAME)
     per_token_loss = False if per_token_loss is None else check_bool(per_token_loss, "per_token_loss", _NAME)
     shared_inputs = check_input_indices(shared_inputs, "shared_inputs", _NAME)
+    reduction = check_reduction(reduction, _NAME)
+    min_count = check_min_count(min_count, per_token_loss, _NAME)
     check_has_parameters(network, "network", _NAME)
-    return micro_size, per_token_loss, shared_inputs
+    return micro_size, per_token_loss, shared_inputs, reduction, min_count
+
+
+def loss_rows(per_token_loss: bool, sum_over_rows: bool, count, unit, rows):
+    """The `rows` factor of ``_buffers.normalise``: 1 for a mean or a token mean; for a loss that sums its rows, the
+    rows: ``count * unit`` (a row loss counts its rows in units of `unit`) or `rows` (a token loss)."""
+    if not sum_over_rows:
+        return Tensor(1.0, mstype.float32)
+    if per_token_loss:
+        return Tensor(rows, mstype.float32)
+    return count * unit
 
 
 class GradAccumulationCell(PrecisionNeutral):
@@ -191,13 +205,14 @@ class GradAccumulationCell(PrecisionNeutral):
     """
 
     def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: Optional[bool] = None,
-                 shared_inputs: tuple = ()):
-        declared = per_token_loss is not None
-        micro_size, per_token_loss, shared_inputs = validate_arguments(network, micro_size, per_token_loss,
-                                                                       shared_inputs)
+                 shared_inputs: tuple = (), reduction: str = "mean", min_count: float = 0.0, check_loss: bool = True):
+        declared = per_token_loss is not None or reduction != "mean"
+        micro_size, per_token_loss, shared_inputs, reduction, min_count = validate_arguments(
+            network, micro_size, per_token_loss, shared_inputs, reduction, min_count)
+        check_loss = check_bool(check_loss, "check_loss", _NAME)
         scale = _loss_scale.for_grad_accumulation_cell(loss_scale, self, network, _NAME)
         if parallel_mode() in PARALLEL_PASS_MODES:
-            check_parallel_pass_arguments(loss_scale is not None, per_token_loss, shared_inputs)
+            check_parallel_pass_arguments(loss_scale is not None, per_token_loss, shared_inputs, reduction)
         if micro_size > 1:
             warn_batch_norm(network, _NAME, f"micro_size={micro_size} micro-batches")
             if not declared:
@@ -207,12 +222,16 @@ class GradAccumulationCell(PrecisionNeutral):
         self.micro_size = micro_size
         self.per_token_loss = per_token_loss
         self.declared_per_token_loss = declared
+        self.reduction = reduction
+        self.min_count = min_count
+        self.check_loss = check_loss
         self.shared_inputs = shared_inputs
         self.explicit_loss_scale = loss_scale is not None
         self.loss_scale = scale
         self.gradient_buffers = GradientBuffers()
         self.engine = MicroBatchGradients(network, micro_size, per_token_loss, overwrite=True,
-                                          targets=self._targets, cls_name=_NAME, shared_inputs=shared_inputs)
+                                          targets=self._targets, cls_name=_NAME, shared_inputs=shared_inputs,
+                                          sum_over_rows=reduction == "sum", check_loss=check_loss)
         self.token_totals = TokenTotals(per_token_loss, _NAME)
         self.replicas = ReplicaCheck(self._targets, _NAME)
         self.gradient_of = GradientOf()
@@ -228,7 +247,8 @@ class GradAccumulationCell(PrecisionNeutral):
         check_loss_inside(self)
         wrapper = enclosing_train_cell(self)
         if self.parallel_pass:
-            check_parallel_pass_arguments(self.explicit_loss_scale, self.per_token_loss, self.shared_inputs)
+            check_parallel_pass_arguments(self.explicit_loss_scale, self.per_token_loss, self.shared_inputs,
+                                          self.reduction)
             # _TrainGradAccuStepCell makes accu_grads.<weight> buffers of its own: ours (from an earlier stand-alone
             # graph) would clash by name, and are not used here.
             self.gradient_buffers.for_weights([])
@@ -311,11 +331,13 @@ class GradAccumulationCell(PrecisionNeutral):
         unit = Tensor(_count_unit(split[0].shape[0], self.micro_size), mstype.float32)
         value, count, loss_like = self.engine(split, shared, constants, layout, scale, unit, self.targets_key)
         value, count, factor = self.token_totals(value, count)
+        rows = loss_rows(self.per_token_loss, self.reduction == "sum", count, unit, split[0].shape[0])
+        loss, divisor = _buffers.normalise(scale, value, count, factor, self.min_count, rows)
         # The hand-over reads the buffers: this data dependency orders it after the micro-batch loop (the loss
         # exists only once the loop is done). Behind stop_gradient (the engine's outputs carry no gradient), or
         # autodiff fails on networks with BatchNorm ("Operator 'k_hole' is invalid").
-        loss = ops.stop_gradient(_buffers.mean_loss(value, count))
-        divisor = ops.stop_gradient(ops.depend(_buffers.divisor(scale, count, factor), loss))
+        loss = ops.stop_gradient(loss)
+        divisor = ops.stop_gradient(ops.depend(divisor, loss))
         # Adds zero; its backward hands each weight its buffer, unscaled (in float32) and times the sens. One call per
         # weight through a HyperMap (see _buffers: a Python loop over the weights compiles far slower).
         zeros = self.hyper_map(ops.partial(_hand_over, self.gradient_of, divisor), self.weights[::-1],

@@ -21,6 +21,7 @@ from mindspore import nn, ops, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._buffers import add_gradients, clear
+from ms_gradaccum._contract import ContractCheck
 from ms_gradaccum._internals import ZEROS_LIKE, compile_time, primexpr
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import (assemble, check_loss_output, input_kinds, input_names, micro_batch,
@@ -122,9 +123,13 @@ class MicroBatchGradients(PrecisionNeutral):
     """
 
     def __init__(self, network: nn.Cell, micro_size: int, per_token_loss: bool, overwrite: bool,
-                 targets: Callable, cls_name: str, shared_inputs: tuple = ()):
+                 targets: Callable, cls_name: str, shared_inputs: tuple = (), sum_over_rows: bool = False,
+                 check_loss: bool = True):
         super().__init__(auto_prefix=False)
+        self.sum_over_rows = sum_over_rows
         self.scaled_loss = ScaledLoss(network, per_token_loss, cls_name)
+        self.contract = ContractCheck(self.scaled_loss, network, micro_size, per_token_loss, sum_over_rows,
+                                      check_loss and micro_size > 1, cls_name)
         self.micro_size = micro_size
         self.shared_inputs = shared_inputs
         self.input_names = input_names(network)
@@ -160,25 +165,32 @@ class MicroBatchGradients(PrecisionNeutral):
         shared, constants, layout = others
         return assemble(micro_batch(split, i), shared, constants, layout)
 
-    def _tally(self, out, weight, totals):
-        """Adds one micro-batch's value and count, and tracks the smallest and any non-finite count (checked for
-        token losses). The same four loop variables for both loss kinds: with fewer, MindSpore's allocator reached a
-        higher actual peak (fragmentation: 28 instead of 24 MB on the benchmark MLP at micro_size 8, measured). All four
-        are float32 (`finite` is 1.0 or 0.0): a bool Tensor carried by a graph-mode while loop made the compile 1.4 s
-        longer on a 6-layer transformer LM (4.7 s without it; measured 2.10.0)."""
-        value, count, smallest, finite = totals
+    def _tally(self, out, weight, value_weight, totals, index):
+        """Adds one micro-batch's value and count, tracks the smallest and any non-finite count (checked for token
+        losses), and keeps the tallies after micro-batch `index` 1 (the first two; the loss contract's check reads
+        them). The same loop variables for both loss kinds: with fewer, MindSpore's allocator reached a higher actual
+        peak (fragmentation: 28 instead of 24 MB on the benchmark MLP at micro_size 8, measured). All are float32
+        (`finite` is 1.0 or 0.0): a bool Tensor carried by a graph-mode while loop made the compile 1.4 s longer on a
+        6-layer transformer LM (4.7 s without it; measured 2.10.0)."""
+        value, count, smallest, finite, pair_value, pair_count = totals
         if self.per_token_loss:
-            return (value + out[1], count + out[2], ops.minimum(smallest, out[2]),
-                    ops.minimum(finite, ops.cast(ops.isfinite(out[2]), mstype.float32)))
-        return value + out[1] * weight, count + weight, smallest, finite
+            value, count = value + out[1], count + out[2]
+            smallest = ops.minimum(smallest, out[2])
+            finite = ops.minimum(finite, ops.cast(ops.isfinite(out[2]), mstype.float32))
+        else:
+            value, count = value + out[1] * value_weight, count + weight
+        # The first two micro-batches' tallies, for the loss contract's check (see _contract).
+        second = index == 1
+        return (value, count, smallest, finite, ops.select(second, value, pair_value),
+                ops.select(second, count, pair_count))
 
-    def _accumulate(self, split, others, stop, totals, factor, weight):
+    def _accumulate(self, split, others, stop, totals, factor, weight, value_weight, offset):
         # A graph-mode while loop over a Tensor counter is compiled once, whatever the count is, and runs the
         # micro-batches strictly in turn, so micro-batch i's activations are freed before i + 1 starts.
         i = Tensor(0, mstype.int32)
         while i < stop:
             out, grads = self._value_and_grads(self._micro_inputs(split, i, others), factor)
-            totals = self._tally(out, weight, totals)
+            totals = self._tally(out, weight, value_weight, totals, i + offset)
             value = add_gradients(self.buffers, grads, after=totals[0])
             totals = (value,) + totals[1:]
             i = i + 1
@@ -201,19 +213,25 @@ class MicroBatchGradients(PrecisionNeutral):
     def construct(self, inputs, shared, constants, layout, scale, unit, key):
         others = (shared, constants, layout)
         zero = Tensor(0.0, mstype.float32)
-        totals = (zero, zero, Tensor(float("inf"), mstype.float32), Tensor(1.0, mstype.float32))
+        totals = (zero, zero, Tensor(float("inf"), mstype.float32), Tensor(1.0, mstype.float32), zero, zero)
         if self.overwrite:
             # A fresh sum per batch: the buffers are cleared once, before the loop, so that every micro-batch goes
             # through the same loop body (one copy of the network in the graph) and adds its gradient.
             totals = (ops.depend(zero, clear(self.buffers, zero)),) + totals[1:]
         weight = Tensor(1.0, mstype.float32)
+        offset = 0
         for split, count, rows in split_batch(inputs, self.micro_size):
             # One loop per micro-batch shape: a batch micro_size divides has one, any other two (sizes differ by 1).
             weight = weight if self.per_token_loss else rows / unit
-            totals = self._accumulate(split, others, count, totals, scale * weight, weight)
-        value, count_total, smallest, finite = totals
+            # A loss that sums its rows counts in row units like a mean, but is tallied and differentiated per row
+            # unit (loss / unit): the owner multiplies by the rows (count * unit), see _buffers.normalise.
+            value_weight = 1.0 / unit if self.sum_over_rows and not self.per_token_loss else weight
+            totals = self._accumulate(split, others, count, totals, scale * value_weight, weight, value_weight, offset)
+            offset += count
+        value, count_total, smallest, finite, pair_value, pair_count = totals
         if self.per_token_loss:
             value = ops.depend(value, self._check_counts(smallest, finite))
+        value = self.contract(inputs, others, pair_value, pair_count, unit, value)
         loss_like = ops.zeros(recorded_loss_shape(self.scaled_loss.loss_shape, value.shape), mstype.float32)
         return value, count_total, loss_like
 

@@ -20,8 +20,14 @@ from ms_gradaccum._microbatch import input_kinds
 _NAME = "GradAccumulationCell"
 
 
-def check_parallel_pass_arguments(explicit_loss_scale: bool, per_token_loss: bool, shared_inputs: tuple = ()) -> None:
-    """What the parallel pass cannot do: a token loss, a loss scale of the cell's own, inputs it does not slice."""
+def check_parallel_pass_arguments(explicit_loss_scale: bool, per_token_loss: bool, shared_inputs: tuple = (),
+                                  reduction: str = "mean") -> None:
+    """What the parallel pass cannot do: a token loss, a loss scale of the cell's own, inputs it does not slice, a
+    loss that sums its rows."""
+    if reduction != "mean":
+        raise ValueError(
+            f"For '{_NAME}', reduction={reduction!r} is not supported under semi-auto/auto parallel, where MindSpore's "
+            f"parallel pass averages the micro-batch losses. Return the mean loss, or train data parallel.")
     if shared_inputs:
         raise ValueError(
             f"For '{_NAME}', shared_inputs={shared_inputs} is not supported under semi-auto/auto parallel, where "

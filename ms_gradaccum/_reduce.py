@@ -92,7 +92,7 @@ class InPlaceAllReduce(PrecisionNeutral):
         return after
 
 
-class _Unsaved:
+class Unsaved:
     """Holds a Parameter out of the cell tree: not in ``get_parameters()``, so checkpoints do not carry it."""
 
     def __init__(self, parameter: Parameter):
@@ -117,7 +117,7 @@ class ReplicaCheck(PrecisionNeutral):
         super().__init__(auto_prefix=False)
         object.__setattr__(self, "_targets", targets)   # a bound method of the owner: (weights, buffers)
         self.owner_name = cls_name
-        self._checked = _Unsaved(Parameter(Tensor(False), name="accu_state.replicas_checked", requires_grad=False))
+        self._checked = Unsaved(Parameter(Tensor(False), name="accu_state.replicas_checked", requires_grad=False))
         object.__setattr__(self, "_all_gather", None)
 
     @compile_time

@@ -9,14 +9,15 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
-from ms_gradaccum._cell import GradAccumulationCell
+from ms_gradaccum._cell import GradAccumulationCell, loss_rows
 from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._internals import (PARALLEL_PASS_MODES, CompileChecks, enclosing_optimizer, parallel_mode, primexpr,
                                      run_compile_checks, training_under_model)
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._tokens import warn_token_mean
 from ms_gradaccum._validation import (argument_error, check_bool, check_cell, check_has_parameters,
-                                      check_input_indices, check_positive_int, warn_batch_norm)
+                                      check_input_indices, check_min_count, check_positive_int, check_reduction,
+                                      warn_batch_norm)
 
 _NAME = "AccumulatingTrainOneStepCell"
 
@@ -159,15 +160,19 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int, *,
                  micro_size: Optional[int] = None, per_token_loss: Optional[bool] = None,
                  shared_inputs: Optional[tuple] = None, steps_per_epoch: Optional[int] = None, scale_sense=None,
-                 max_grad_norm: Optional[float] = None):
+                 max_grad_norm: Optional[float] = None, reduction: Optional[str] = None,
+                 min_count: Optional[float] = None, check_loss: Optional[bool] = None):
         check_cell(network, "network", _NAME)
         if not isinstance(optimizer, nn.Optimizer):
             raise TypeError(argument_error(_NAME, "optimizer", "a mindspore.nn.Optimizer", optimizer))
         accumulate_steps = check_positive_int(accumulate_steps, "accumulate_steps", _NAME)
-        declared = per_token_loss is not None or (isinstance(network, GradAccumulationCell) and
-                                                   network.declared_per_token_loss)
-        loss_network, micro_size, per_token_loss, shared_inputs = _loss_network(network, micro_size, per_token_loss,
-                                                                                shared_inputs)
+        declared = per_token_loss is not None or reduction not in (None, "mean") or (
+            isinstance(network, GradAccumulationCell) and network.declared_per_token_loss)
+        loss_network, micro_size, per_token_loss, shared_inputs, reduction, min_count = _loss_network(
+            network, micro_size, per_token_loss, shared_inputs, reduction, min_count)
+        if check_loss is None:
+            check_loss = network.check_loss if isinstance(network, GradAccumulationCell) else True
+        check_loss = check_bool(check_loss, "check_loss", _NAME)
         if steps_per_epoch is not None:
             steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
         max_grad_norm = _loss_scale.check_max_grad_norm(max_grad_norm, _NAME)
@@ -187,6 +192,8 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         super().__init__(network, optimizer)
         self.micro_size = micro_size
         self.per_token_loss = per_token_loss
+        self.reduction = reduction
+        self.min_count = min_count
         self.loss_scale = scale
         self.loss_scaled = scale_sense is not None
         self.loss_scaling_manager = manager
@@ -201,7 +208,8 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
         self.shared_inputs = shared_inputs
         self.engine = MicroBatchGradients(loss_network, micro_size, per_token_loss, overwrite=False,
-                                          targets=self._targets, cls_name=_NAME, shared_inputs=shared_inputs)
+                                          targets=self._targets, cls_name=_NAME, shared_inputs=shared_inputs,
+                                          sum_over_rows=reduction == "sum", check_loss=check_loss)
         self.token_totals = TokenTotals(per_token_loss, _NAME)
         self.replicas = ReplicaCheck(self._targets, _NAME)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).
@@ -219,6 +227,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         # network's count for a token loss), and the unit, fixed by the window's first batch.
         self.window_loss_sum = _buffers.state_scalar("window_loss_sum", 0.0, mstype.float32)
         self.window_count = _buffers.state_scalar("window_count", 0.0, mstype.float32)
+        self.window_rows = _buffers.state_scalar("window_rows", 0.0, mstype.float32)
         self.count_unit = _buffers.state_scalar("count_unit", 1.0, mstype.float32)
         self.window_loss = _buffers.state_scalar("last_window_loss", float("nan"), mstype.float32)
         self.hyper_map = ops.HyperMap()
@@ -283,12 +292,15 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         # Under data parallel, the first step first checks that every rank holds the same weights.
         scale = self.replicas(self.loss_scale())
         split, shared, constants, layout = self.engine.split_inputs(inputs)
-        value, count, loss_like = self.engine(split, shared, constants, layout, scale, self._unit(split[0].shape[0]),
-                                              "")
-        # What is returned per call: the batch's mean loss (its token mean for a token loss).
-        batch_loss = _buffers.mean_loss(value, count)
+        unit = self._unit(split[0].shape[0])
+        value, count, loss_like = self.engine(split, shared, constants, layout, scale, unit, "")
+        # What is returned per call: the batch's loss (its mean, token mean, or sum as its reduction says).
+        rows = Tensor(split[0].shape[0], mstype.float32)
+        batch_loss = _buffers.normalise(scale, value, count, 1.0, self.min_count,
+                                        loss_rows(self.per_token_loss, self.reduction == "sum", count, unit, rows))[0]
         batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_loss_sum, value))
         batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_count, count))
+        batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_rows, rows))
         batch_loss = ops.depend(batch_loss, ops.assign_add(self.window_position, ops.ones((), mstype.int32)))
         batch_loss = ops.depend(batch_loss, ops.assign_add(self.epoch_position, ops.ones((), mstype.int32)))
         epoch_end = ops.logical_and(self.steps_per_epoch > 0, self.epoch_position >= self.steps_per_epoch)
@@ -310,9 +322,9 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         window without a single counted token updates nothing and leaves the scale alone.
         """
         value, count, factor = self.token_totals(self.window_loss_sum, self.window_count)
-        empty = count <= 0
-        divisor = _buffers.divisor(scale, count, factor)
-        window_loss = _buffers.mean_loss(value, count)
+        empty = ops.maximum(count, self.min_count) <= 0
+        rows = loss_rows(self.per_token_loss, self.reduction == "sum", count, self.count_unit * 1.0, self.window_rows)
+        window_loss, divisor = _buffers.normalise(scale, value, count, factor, self.min_count, rows)
         if self.reduce_in_place:
             # Summed across devices in the buffers, one after another, then divided in place (times the device count
             # when the reducer averages): no gradient-sized tensor per weight.
@@ -337,6 +349,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         done = ops.depend(done, _buffers.clear(self.grad_sums, done))
         done = ops.depend(done, ops.assign(self.window_loss_sum, ops.cast(done, mstype.float32)))
         done = ops.depend(done, ops.assign(self.window_count, ops.cast(done, mstype.float32)))
+        done = ops.depend(done, ops.assign(self.window_rows, ops.cast(done, mstype.float32)))
         done = ops.depend(done, ops.assign(self.window_position, done))
         return ops.depend(overflow, done)
 
@@ -391,9 +404,12 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
 
 
 def _loss_network(network: nn.Cell, micro_size: Optional[int], per_token_loss: Optional[bool],
-                  shared_inputs: Optional[tuple]) -> tuple:
-    """``(loss network, micro_size, per_token_loss, shared_inputs)``: a GradAccumulationCell is taken apart into what
-    it holds (the same as passing its arguments here); anything contradicting it, or a nested one, is an error."""
+                  shared_inputs: Optional[tuple], reduction: Optional[str], min_count: Optional[float]) -> tuple:
+    """``(loss network, micro_size, per_token_loss, shared_inputs, reduction, min_count)``: a GradAccumulationCell is
+    taken apart into what it holds (the same as passing its arguments here); anything contradicting it, or a nested
+    one, is an error."""
+    if reduction is not None:
+        reduction = check_reduction(reduction, _NAME)
     if micro_size is not None:
         micro_size = check_positive_int(micro_size, "micro_size", _NAME)
     if per_token_loss is not None:
@@ -403,7 +419,9 @@ def _loss_network(network: nn.Cell, micro_size: Optional[int], per_token_loss: O
     if isinstance(network, GradAccumulationCell):
         for name, given, held in (("micro_size", micro_size, network.micro_size),
                                   ("per_token_loss", per_token_loss, network.per_token_loss),
-                                  ("shared_inputs", shared_inputs, network.shared_inputs)):
+                                  ("shared_inputs", shared_inputs, network.shared_inputs),
+                                  ("reduction", reduction, network.reduction),
+                                  ("min_count", min_count, network.min_count)):
             if given is not None and given != held:
                 raise ValueError(
                     f"For '{_NAME}', the argument '{name}' is {given!r} but the GradAccumulationCell given as "
@@ -414,11 +432,15 @@ def _loss_network(network: nn.Cell, micro_size: Optional[int], per_token_loss: O
                 f"For '{_NAME}', the GradAccumulationCell given as 'network' has its own loss_scale, which this cell "
                 f"does not use (it scales every micro-batch by its own scale_sense). Build the GradAccumulationCell "
                 f"without loss_scale and pass the scale as scale_sense=... here.")
-        return network.network, network.micro_size, network.per_token_loss, network.shared_inputs
+        return (network.network, network.micro_size, network.per_token_loss, network.shared_inputs, network.reduction,
+                network.min_count)
     for name, cell in network.cells_and_names():
         if isinstance(cell, GradAccumulationCell):
             raise ValueError(
                 f"For '{_NAME}', a GradAccumulationCell must be the 'network' itself, but it is nested in "
                 f"{type(network).__name__} as '{name}'. Wrap the loss network in GradAccumulationCell last, or "
                 f"pass micro_size here: {_NAME}(loss_net, optimizer, accumulate_steps, micro_size=...).")
-    return network, 1 if micro_size is None else micro_size, bool(per_token_loss), shared_inputs or ()
+    per_token_loss = bool(per_token_loss)
+    min_count = check_min_count(0.0 if min_count is None else min_count, per_token_loss, _NAME)
+    return network, 1 if micro_size is None else micro_size, per_token_loss, shared_inputs or (), reduction or "mean", \
+        min_count

@@ -66,6 +66,32 @@ def check_bool(value: Any, arg_name: str, cls_name: str) -> bool:
     return bool(value)
 
 
+REDUCTIONS = ("mean", "sum")
+
+
+def check_reduction(value: Any, cls_name: str) -> str:
+    """``'mean'`` or ``'sum'``: how the network's loss reduces over the rows it is given."""
+    expected = "'mean' (a mean over the rows it is given) or 'sum' (a sum over them, or a mean times their number)"
+    if not isinstance(value, str):
+        raise TypeError(argument_error(cls_name, "reduction", expected, value))
+    if value not in REDUCTIONS:
+        raise ValueError(argument_error(cls_name, "reduction", expected, value))
+    return value
+
+
+def check_min_count(value: Any, per_token_loss: bool, cls_name: str) -> float:
+    """A finite float >= 0, and > 0 only with ``per_token_loss=True`` (it floors the total count)."""
+    expected = "a finite float >= 0 (the floor of the total count, e.g. 1.0 for max(count, 1))"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(argument_error(cls_name, "min_count", expected, value))
+    if not np.isfinite(value) or value < 0:
+        raise ValueError(argument_error(cls_name, "min_count", expected, value))
+    if value > 0 and not per_token_loss:
+        raise ValueError(argument_error(cls_name, "min_count", expected + " with per_token_loss=True", value,
+                                        "It floors the count a (loss_sum, count) network returns; a mean has none."))
+    return float(value)
+
+
 def check_has_parameters(network: nn.Cell, arg_name: str, cls_name: str) -> None:
     """A network without any parameter can never train (which of them train is read when the graph compiles)."""
     if not list(network.get_parameters()):

@@ -66,7 +66,7 @@ BUFFER_PREFIX = "grad_accumulation"
 MINDFORMERS_KEYS = ("use_clip_grad", "max_grad_norm", "scale_sense", "local_norm", "calculate_per_token_loss",
                     "global_norm_spike_threshold", "use_skip_data_by_global_norm", "print_separate_loss",
                     "lr_scheduler", "grouped_lr_scheduler")
-PACKAGE_KEYS = ("micro_size", "accumulate_steps", "per_token_loss", "shared_inputs", "steps_per_epoch")
+PACKAGE_KEYS = ("micro_size", "accumulate_steps", "per_token_loss", "shared_inputs", "steps_per_epoch", "check_loss")
 
 
 def _positive_float(value: Any, key: str) -> float:
@@ -150,13 +150,13 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, micro_size: int = 1, accumulate_steps: int = 1,
                  per_token_loss: Optional[bool] = None, shared_inputs=None, steps_per_epoch: Optional[int] = None,
-                 **mindformers_keys):
+                 check_loss: bool = True, **mindformers_keys):
         keys = _mindformers_keys(mindformers_keys)
         _package_keys(dict(micro_size=micro_size, accumulate_steps=accumulate_steps, per_token_loss=per_token_loss))
         per_token_loss = _loss_kind(per_token_loss, keys["calculate_per_token_loss"])
         super().__init__(network, optimizer, accumulate_steps, micro_size=micro_size, per_token_loss=per_token_loss,
                          shared_inputs=shared_inputs, steps_per_epoch=steps_per_epoch,
-                         scale_sense=keys["scale_sense"])
+                         scale_sense=keys["scale_sense"], check_loss=check_loss)
         self.use_clip_grad = keys["use_clip_grad"]
         self.skip_by_global_norm = keys["use_skip_data_by_global_norm"]
         self.measure_norm = self.use_clip_grad or self.skip_by_global_norm
@@ -229,8 +229,9 @@ def _package_keys(given: dict) -> None:
     for key in ("micro_size", "accumulate_steps", "steps_per_epoch"):
         if given.get(key) is not None:
             check_positive_int(given[key], key, _NAME)
-    if given.get("per_token_loss") is not None:
-        check_bool(given["per_token_loss"], "per_token_loss", _NAME)
+    for key in ("per_token_loss", "check_loss"):
+        if given.get(key) is not None:
+            check_bool(given[key], key, _NAME)
     if given.get("shared_inputs") is not None:
         check_input_indices(given["shared_inputs"], "shared_inputs", _NAME)
 

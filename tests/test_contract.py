@@ -1,0 +1,218 @@
+"""The loss contract: checked on the first step (_contract), and exact routes for the losses zoos use that are not a
+row mean: a sum over rows or a mean times the batch size (reduction='sum'), and a detector's
+``B * numerator / max(S, 1)`` with ``S`` summed over the whole batch (per_token_loss=True, min_count=1.0,
+reduction='sum'). Each against the plain full batch, with negative controls."""
+import re
+
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import nn, ops, Tensor
+
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
+from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
+                     params_of, train_steps)
+
+K = 4
+
+
+class SumLoss(nn.Cell):
+    """Cross-entropy summed over the rows (``reduction='sum'``), or the mean times the rows it is given."""
+
+    def __init__(self, net, form="sum"):
+        super().__init__(auto_prefix=False)
+        self.net, self.form = net, form
+        self.summed = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="sum")
+        self.mean = ce()
+
+    def construct(self, x, y):
+        if self.form == "sum":
+            return self.summed(self.net(x), y)
+        return self.mean(self.net(x), y) * x.shape[0]
+
+
+class DetectorLoss(nn.Cell):
+    """A detector's loss as a public zoo writes it: ``B * numerator / max(S, 1)``, where ``S`` sums target scores over
+    the whole batch, computed from the predictions without gradient (an assigner's output), so ``S`` is a count."""
+
+    def __init__(self, net, score_scale=1.0):
+        super().__init__(auto_prefix=False)
+        self.net, self.score_scale = net, score_scale
+        self.per_row = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="none")
+
+    def parts(self, x, y):
+        logits = self.net(x)
+        scores = ops.stop_gradient(ops.softmax(logits, -1).max(-1)) * self.score_scale
+        return (self.per_row(logits, y) * scores).sum(), scores.sum()
+
+    def construct(self, x, y):
+        numerator, count = self.parts(x, y)
+        return x.shape[0] * numerator / ops.maximum(count, 1.0)
+
+
+class DetectorParts(DetectorLoss):
+    """The route: the same loss as ``(numerator, S)``; the cell multiplies by the rows and floors the count at 1."""
+
+    def construct(self, x, y):
+        return self.parts(x, y)
+
+
+def _train(make_loss, wrap, batches, optimizer="momentum"):
+    net = make_mlp()
+    loss_net = make_loss(net)
+    initial = params_of(net)
+    losses = train_steps(wrap(loss_net, make_optimizer(optimizer, net.trainable_params())), batches)
+    return params_of(net), losses, initial
+
+
+def _cell(**kwargs):
+    return lambda loss_net, opt: nn.TrainOneStepCell(GradAccumulationCell(loss_net, K, **kwargs), opt)
+
+
+def _steps(**kwargs):
+    return lambda loss_net, opt: AccumulatingTrainOneStepCell(loss_net, opt, 1, micro_size=K, **kwargs)
+
+
+WRAPS = [pytest.param(_cell, id="GradAccumulationCell"), pytest.param(_steps, id="AccumulatingTrainOneStepCell")]
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+@pytest.mark.parametrize("form", ["sum", "mean_times_rows"])
+@pytest.mark.parametrize("batch", [32, 30])   # 30 rows: micro-batches of 8, 8, 7, 7
+def test_contract_sum_route_trains_like_the_full_batch(wrap, form, batch):
+    batches = classification_batches(3, batch)
+    expected, expected_losses, initial = _train(lambda net: SumLoss(net, form), nn.TrainOneStepCell, batches, "sgd")
+    actual, losses, _ = _train(lambda net: SumLoss(net, form), wrap(reduction="sum"), batches, "sgd")
+    assert_params_moved(expected, initial)
+    assert_params_close(actual, expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    # Negative control: the same loss taken as a mean (its check off) trains a quarter of the update.
+    control, _, _ = _train(lambda net: SumLoss(net, form), wrap(check_loss=False), batches, "sgd")
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(control, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+@pytest.mark.parametrize("score_scale", [1.0, 0.01], ids=["S>=1", "S<1"])
+def test_contract_detector_route_trains_like_the_full_batch(wrap, score_scale):
+    # S >= 1 and S < 1 (the floor binds): both exact through (numerator, S), min_count=1.0, reduction='sum'.
+    batches = classification_batches(3, 32)
+    expected, expected_losses, initial = _train(lambda net: DetectorLoss(net, score_scale), nn.TrainOneStepCell,
+                                                batches, "sgd")
+    actual, losses, _ = _train(lambda net: DetectorParts(net, score_scale),
+                               wrap(per_token_loss=True, min_count=1.0, reduction="sum"), batches, "sgd")
+    assert_params_moved(expected, initial)
+    assert_params_close(actual, expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    # Negative control: without the floor (S < 1) or without the rows factor, it is not the full batch's.
+    control_kwargs = dict(per_token_loss=True, reduction="sum") if score_scale < 1 else dict(per_token_loss=True,
+                                                                                              min_count=1.0)
+    control, _, _ = _train(lambda net: DetectorParts(net, score_scale), wrap(**control_kwargs), batches, "sgd")
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(control, expected, rtol=1e-4, atol=1e-6)
+
+
+# --- the check ----------------------------------------------------------------------------------------------------
+
+def _first_step(make_loss, wrap, **kwargs):
+    """(weights before, weights after, the error) of one step on one batch."""
+    net = make_mlp()
+    loss_net = make_loss(net)
+    step = wrap(**kwargs)(loss_net, make_optimizer("sgd", net.trainable_params()))
+    before = params_of(net)
+    x, y = classification_batches(1, 32)[0]
+    try:
+        step(Tensor(x), Tensor(y))
+        error = None
+    except ValueError as caught:
+        error = str(caught)
+    return before, params_of(net), error
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+@pytest.mark.parametrize("make_loss, ratio", [
+    (lambda net: SumLoss(net, "sum"), r"ratio 2\.0"),
+    (lambda net: SumLoss(net, "mean_times_rows"), r"ratio 2\.0"),
+    (lambda net: DetectorLoss(net, 1.0), r"ratio [0-9.]+"),
+    (lambda net: DetectorLoss(net, 0.01), r"ratio [0-9.]+"),
+], ids=["sum", "mean_times_rows", "count_normalised", "count_normalised_floored"])
+def test_contract_check_stops_a_broken_loss_before_any_update(wrap, make_loss, ratio):
+    before, after, error = _first_step(make_loss, wrap)
+    assert error is not None, "the check did not fire"
+    assert re.search(r"the network's loss does not combine over micro-batches as the cell computes it", error)
+    assert re.search(ratio, error) and "reduction='sum'" in error and "per_token_loss=True" in error, error
+    assert "check_loss=False" in error
+    assert all(np.array_equal(after[name], before[name]) for name in before), "the weights moved"
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+@pytest.mark.parametrize("make_loss, kwargs", [
+    (lambda net: nn.WithLossCell(net, ce()), {}),
+    (lambda net: SumLoss(net, "sum"), {"reduction": "sum"}),
+    (lambda net: DetectorParts(net, 0.01), {"per_token_loss": True, "min_count": 1.0, "reduction": "sum"}),
+    (lambda net: nn.WithLossCell(nn.SequentialCell(net, nn.Dropout(p=0.3)), ce()), {}),
+    (lambda net: SumLoss(net, "sum"), {"check_loss": False}),
+], ids=["mean", "sum_route", "detector_route", "dropout", "switched_off"])
+def test_contract_check_is_silent_where_the_contract_holds(wrap, make_loss, kwargs):
+    before, after, error = _first_step(make_loss, wrap, **kwargs)
+    assert error is None, error
+    assert any(not np.array_equal(after[name], before[name]) for name in before)
+
+
+def test_contract_check_fires_on_batch_norm_in_training_only_as_the_construction_warning():
+    # BatchNorm's per-micro-batch statistics are a documented approximation (warned at construction); the check
+    # tolerates their noise. Control: a sum loss on the same network still stops.
+    def bn_net(net):
+        return nn.WithLossCell(nn.SequentialCell(nn.Dense(16, 16), nn.BatchNorm1d(16), net), ce())
+
+    with pytest.warns(UserWarning, match="batch normalisation"):
+        _, _, error = _first_step(bn_net, _cell)
+    assert error is None, error
+    with pytest.warns(UserWarning, match="batch normalisation"):
+        _, _, error = _first_step(lambda net: SumLoss(nn.SequentialCell(nn.Dense(16, 16), nn.BatchNorm1d(16), net)),
+                                  _cell)
+    assert error is not None and "ratio" in error
+
+
+def test_contract_check_runs_once_per_cell():
+    # The second step of a cell whose loss breaks the contract only from then on is not checked again (documented).
+    net = make_mlp()
+
+    class BreaksLater(nn.Cell):
+        def __init__(self, net):
+            super().__init__(auto_prefix=False)
+            self.net, self.loss = net, ce()
+            self.calls = ms.Parameter(Tensor(0.0), name="calls", requires_grad=False)
+
+        def construct(self, x, y):
+            scale = ops.select(self.calls > 0, Tensor(float(x.shape[0])), Tensor(1.0))
+            return self.loss(self.net(x), y) * scale
+
+        def bump(self):
+            self.calls.set_data(Tensor(1.0))
+
+    loss_net = BreaksLater(net)
+    step = _cell()(loss_net, make_optimizer("sgd", net.trainable_params()))
+    x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
+    first = float(step(x, y).asnumpy())
+    loss_net.bump()   # from now on the loss is multiplied by the rows it is given
+    second = float(step(x, y).asnumpy())
+    assert second > 5 * first   # the break is real, and the check (first step only) does not see it
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"reduction": "max"}, ValueError, r"the argument 'reduction' must be 'mean' \(a mean over the rows it is given\) "
+                                       r"or 'sum'"),
+    ({"reduction": 1}, TypeError, r"the argument 'reduction' must be 'mean'"),
+    ({"min_count": -1.0}, ValueError, r"the argument 'min_count' must be a finite float >= 0"),
+    ({"min_count": True}, TypeError, r"the argument 'min_count' must be a finite float >= 0"),
+    ({"min_count": 1.0}, ValueError, r"'min_count' must be a finite float >= 0 .* with per_token_loss=True"),
+    ({"check_loss": 1}, TypeError, r"the argument 'check_loss' must be a bool, but got 1 \(int\)"),
+])
+def test_contract_bad_arguments_are_refused(kwargs, error, match):
+    net = make_mlp()
+    with pytest.raises(error, match=match):
+        GradAccumulationCell(nn.WithLossCell(net, ce()), K, **kwargs)
+    with pytest.raises(error, match=match):
+        AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()), 1,
+                                     **kwargs)
