@@ -500,3 +500,74 @@ def batch_axis_splits() -> tuple:
     except RuntimeError:   # no communication initialised and no device_num set: nothing is expanded yet
         ranks = 1
     return (max(int(ranks), 1),)
+
+
+# --- 11. Errors from the network inside the micro-batch graph --------------------------------------------------------
+# A network built for a fixed batch size (a CTC loss configured with the batch's rows) fails inside the micro-batch
+# graph with MindSpore's own message (shapes of the micro-batch, nothing saying so). Cell.compile compiles through
+# mindspore.graph.api._cell_graph_executor.compile (common.api in 2.7), an attribute of one module-level object: the
+# package wraps that method, the first time one of its cells is built, and adds to an error whose "Traceback of Net
+# Construct Code" runs through the engine's call of the network (_engine.TupleInputs) the micro-batches' rows (recorded
+# when the graph compiled, _microbatch.plan_inputs), micro_size, and the fix. Everything else passes through unchanged.
+# Checked 2.7.0 and 2.10.0. Errors at run time (kernels) and in PyNative mode are left as MindSpore raises them.
+_NETWORK_CALL = "return self.network(*inputs)"
+_ENGINE_FILE = "ms_gradaccum/_engine.py"
+_CONTRACT_FILE = "ms_gradaccum/_contract.py"
+_MICRO_BATCHES = {"last": None}
+_WRAPPED = "_ms_gradaccum_context"
+
+
+def note_micro_batches(cls_name: str, micro_size: int, kinds: tuple, names: tuple, layout: tuple) -> None:
+    """Remembers the micro-batches the graph being compiled splits its inputs into (for :func:`micro_batch_context`)."""
+    _MICRO_BATCHES["last"] = (cls_name, micro_size, kinds, names, layout)
+
+
+def micro_batch_context(message: str) -> Optional[str]:
+    """What to add to an error raised while compiling the network on a micro-batch; None for other errors."""
+    noted = _MICRO_BATCHES["last"]
+    if noted is None or _NETWORK_CALL not in message or _ENGINE_FILE not in message.replace("\\", "/"):
+        return None
+    cls_name, micro_size, kinds, names, layout = noted
+    from ms_gradaccum._microbatch import plan  # pylint: disable=import-outside-toplevel
+    split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == 0]
+    if not split:
+        return None
+    batch = split[0][1][0]
+    rows = sorted({rows for _, rows in plan(batch, micro_size)}, reverse=True)
+    row_text = " and ".join(str(r) for r in rows)
+    inputs = ", ".join(f"input {i}{f' ({names[i]!r})' if i < len(names) else ''} {tuple(shape)} -> "
+                       f"{tuple((row_text,) + tuple(shape[1:]))}".replace("'", "") for i, shape in split)
+    if _CONTRACT_FILE in message.replace("\\", "/"):
+        pair = sum(sorted((rows for count, rows in plan(batch, micro_size) for _ in range(count)), reverse=True)[:2])
+        return (f"For '{cls_name}', the error above was raised by the network running on the loss contract's check: "
+                f"the first two micro-batches together ({pair} rows; micro_size={micro_size} splits the batch of "
+                f"{batch} rows into micro-batches of {row_text}). A network built for a fixed number of rows cannot "
+                f"be checked that way: pass check_loss=False (and make sure its loss is what the cell is told).")
+    return (f"For '{cls_name}', the error above was raised by the network running on a micro-batch, not on the whole "
+            f"batch: micro_size={micro_size} splits the batch of {batch} rows into micro-batches of {row_text} rows "
+            f"({inputs}). A cell built for a fixed batch size (e.g. a CTC loss or a reshape configured with the "
+            f"batch size) must be built for the micro-batch's rows ({row_text}), not the batch's ({batch}); then pass "
+            f"check_loss=False, since the loss contract's check runs two micro-batches together.")
+
+
+def install_micro_batch_context() -> None:
+    """Wraps the graph executor's compile once (see above)."""
+    try:
+        from mindspore.graph.api import _cell_graph_executor as executor  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        from mindspore.common.api import _cell_graph_executor as executor  # pylint: disable=import-outside-toplevel
+    compile_graph = executor.compile
+    if getattr(compile_graph, _WRAPPED, False):
+        return
+
+    def compile_with_context(*args, **kwargs):
+        try:
+            return compile_graph(*args, **kwargs)
+        except Exception as error:
+            context = micro_batch_context(str(error))
+            if context is not None and error.args and isinstance(error.args[0], str):
+                error.args = (f"{error.args[0]}\n\n{context}",) + error.args[1:]
+            raise
+
+    setattr(compile_with_context, _WRAPPED, True)
+    executor.compile = compile_with_context

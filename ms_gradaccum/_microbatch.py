@@ -10,7 +10,7 @@ from typing import Tuple
 
 from mindspore import ops, Tensor
 
-from ms_gradaccum._internals import primexpr
+from ms_gradaccum._internals import note_micro_batches, primexpr
 
 
 def plan(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
@@ -95,6 +95,7 @@ def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple,
             f"For '{cls_name}', no input can be split into micro_size={micro_size} micro-batches: every input is a "
             f"0-d Tensor, None, a number or declared in shared_inputs={shared_inputs}. At least one input needs a "
             f"batch axis 0.")
+    note_micro_batches(cls_name, micro_size, kinds, names, layout)   # for errors the network raises (_internals 11.)
     return layout
 
 

@@ -212,3 +212,53 @@ def test_contract_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()), 1,
                                      **kwargs)
+
+
+# --- errors the network raises inside the micro-batch graph -------------------------------------------------------
+
+class FixedBatchWeights(nn.Cell):
+    """A loss built for a fixed batch size (per-row weights of the batch's rows), as zoo configs build CTC losses."""
+
+    def __init__(self, net, batch):
+        super().__init__(auto_prefix=False)
+        self.net, self.weights = net, Tensor(np.ones(batch, np.float32))
+        self.per_row = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="none")
+
+    def construct(self, x, y):
+        return (self.per_row(self.net(x), y) * self.weights).mean()
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_contract_network_errors_on_a_micro_batch_say_where_they_happened(wrap):
+    net = make_mlp()
+    step = wrap()(FixedBatchWeights(net, 30), make_optimizer("sgd", net.trainable_params()))
+    x, y = classification_batches(1, 30)[0]
+    with pytest.raises(ValueError) as caught:
+        step(Tensor(x), Tensor(y))
+    message = str(caught.value)
+    assert "the error above was raised by the network running on a micro-batch, not on the whole batch: " \
+           "micro_size=4 splits the batch of 30 rows into micro-batches of 8 and 7 rows " \
+           "(input 0 (x) (30, 16) -> (8 and 7, 16), input 1 (y) (30,) -> (8 and 7,))" in message, message[-800:]
+    assert "must be built for the micro-batch's rows (8 and 7), not the batch's (30); then pass check_loss=False" \
+        in message
+    # Built for the micro-batch: the loss contract's check (two micro-batches together) says it cannot run on it...
+    net = make_mlp()
+    x, y = classification_batches(1, 32)[0]
+    with pytest.raises(ValueError, match=r"raised by the network running on the loss contract's check: the first two "
+                                         r"micro-batches together \(16 rows; .*pass check_loss=False"):
+        wrap()(FixedBatchWeights(net, 8), make_optimizer("sgd", net.trainable_params()))(Tensor(x), Tensor(y))
+    # ... and with the check off (the fix both messages give) it trains.
+    step = wrap(check_loss=False)(FixedBatchWeights(net, 8), make_optimizer("sgd", net.trainable_params()))
+    before = params_of(net)
+    step(Tensor(x), Tensor(y))
+    assert any(not np.array_equal(value, before[name]) for name, value in params_of(net).items())
+
+
+def test_contract_other_compile_errors_are_left_as_they_are():
+    # Control: the same network error in a plain train cell gets no micro-batch note.
+    net = make_mlp()
+    step = nn.TrainOneStepCell(FixedBatchWeights(net, 30), make_optimizer("sgd", net.trainable_params()))
+    x, y = classification_batches(1, 32)[0]
+    with pytest.raises(ValueError) as caught:
+        step(Tensor(x), Tensor(y))
+    assert "micro-batch" not in str(caught.value)
