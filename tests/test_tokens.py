@@ -28,7 +28,9 @@ def _token_reference(optimizer, batches):
 
 def _run_cell(optimizer, batches, mode="sum_count", micro_size=K):
     net = make_token_net()
-    step = nn.TrainOneStepCell(GradAccumulationCell(TokenLoss(net, mode), micro_size, per_token_loss=mode == "sum_count"),
+    # A control ("mean": a token mean per micro-batch) trains the inexact way on purpose: the contract check would stop it.
+    step = nn.TrainOneStepCell(GradAccumulationCell(TokenLoss(net, mode), micro_size, per_token_loss=mode == "sum_count",
+                                                    check_loss=mode == "sum_count"),
                                make_optimizer(optimizer, net.trainable_params()))
     losses = train_steps(step, batches)
     return params_of(net), losses
@@ -73,9 +75,10 @@ def test_tokens_accumulating_cell_divides_by_the_window_count(micro):
         net = make_token_net()
         loss_net = TokenLoss(net, mode)
         tokens = mode == "sum_count"
-        network = GradAccumulationCell(loss_net, K, per_token_loss=tokens) if micro else loss_net
+        # The control (mean) trains the inexact way on purpose: the contract check off.
+        network = GradAccumulationCell(loss_net, K, per_token_loss=tokens, check_loss=tokens) if micro else loss_net
         cell = AccumulatingTrainOneStepCell(network, make_optimizer("adam", net.trainable_params()), 2,
-                                            per_token_loss=tokens)
+                                            per_token_loss=tokens, check_loss=tokens)
         for batch in batches:
             cell(*(Tensor(a) for a in batch))
         return params_of(net), cell
@@ -293,9 +296,10 @@ def test_tokens_token_sum_loss_matches_the_full_batch_token_mean(name, cell):
 
     def accumulate(net, loss, opt, exact=True):
         loss_net = nn.WithLossCell(net, token_sum_loss(loss) if exact else loss)
+        # The control (not exact) trains the inexact way on purpose: the contract check off.
         if cell == "GradAccumulationCell":
-            return nn.TrainOneStepCell(GradAccumulationCell(loss_net, K, per_token_loss=exact), opt)
-        return AccumulatingTrainOneStepCell(loss_net, opt, 1, micro_size=K, per_token_loss=exact)
+            return nn.TrainOneStepCell(GradAccumulationCell(loss_net, K, per_token_loss=exact, check_loss=exact), opt)
+        return AccumulatingTrainOneStepCell(loss_net, opt, 1, micro_size=K, per_token_loss=exact, check_loss=exact)
 
     actual, losses, _ = _token_mean_run(name, accumulate, batches)
     assert_params_moved(expected, initial)
