@@ -7,6 +7,7 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
              | lm2, lm6 (a transformer language model, d_model 128, 4 heads, sequence 64, vocabulary 512, with 2 or 6
              MindSpore nn.TransformerEncoderLayer layers: what compile time is measured on)
   KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
+             | accumulate_unchecked (the same with check_loss=False: the loss contract check's cost)
              | mindspore (nn.GradAccumulationCell inside nn.TrainOneStepCell) | steps
              (AccumulatingTrainOneStepCell, MICRO_SIZE calls of BATCH / MICRO_SIZE per optimizer step)
              | accumulate_steps (AccumulatingTrainOneStepCell(loss_net, opt, 1, micro_size=MICRO_SIZE))
@@ -145,7 +146,7 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     sens = None
     if net is None:   # the language model computes its loss itself
-        if kind not in ("plain", "accumulate", "accumulate_steps", "steps"):
+        if kind not in ("plain", "accumulate", "accumulate_unchecked", "accumulate_steps", "steps"):
             raise SystemExit(f"kind {kind!r} is not measured on the language model")
         net = loss_net = _LanguageModel(int(model[2:]))
     else:
@@ -173,6 +174,8 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     else:
         if kind == "accumulate":
             loss_net = GradAccumulationCell(loss_net, micro_size, per_token_loss=per_token_loss)
+        elif kind == "accumulate_unchecked":   # without the loss contract's check (its forward copy): what it costs
+            loss_net = GradAccumulationCell(loss_net, micro_size, check_loss=False)
         elif kind == "mindspore":
             loss_net = nn.GradAccumulationCell(loss_net, micro_size)
         elif kind != "plain":

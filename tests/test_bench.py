@@ -35,11 +35,13 @@ def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
     assert (tmp_path / "benchmark_mlp.png").stat().st_size > 10_000
     # Compile time on the language model, each cell against the plain step, divisible and ragged batches.
     compiled = {(row["model"], row["kind"], row["micro_size"], row["batch"]): row for row in result["compile_rows"]}
-    for key in (("lm2", "plain", 1, 16), ("lm2", "accumulate", 4, 16), ("lm2", "accumulate_steps", 4, 18),
+    for key in (("lm2", "plain", 1, 16), ("lm2", "accumulate", 4, 16), ("lm2", "accumulate_unchecked", 4, 16),
+                ("lm2", "accumulate_steps", 4, 18),
                 ("lm2", "accumulate", 64, 64)):
         assert compiled[key]["compile_s"] > 0, key
     for prefix in ("lm2: compile, divisible batch, 16 rows, K=4: GradAccumulationCell",
                    "lm2: compile, ragged batch, 18 rows, K=4: AccumulatingTrainOneStepCell", "lm2: compile K=64",
+                   "lm2: the loss contract's check: compile",
                    "mlp: compile K=64"):
         assert any(line.startswith(prefix) for line in result["targets"]), prefix
     assert "| lm2 | GradAccumulationCell in nn.TrainOneStepCell K=4 | 16 |" in done.stdout
