@@ -152,7 +152,8 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
                  per_token_loss: Optional[bool] = None, shared_inputs=None, steps_per_epoch: Optional[int] = None,
                  check_loss: bool = True, **mindformers_keys):
         keys = _mindformers_keys(mindformers_keys)
-        _package_keys(dict(micro_size=micro_size, accumulate_steps=accumulate_steps, per_token_loss=per_token_loss))
+        _package_keys(dict(micro_size=micro_size, accumulate_steps=accumulate_steps, per_token_loss=per_token_loss,
+                           check_loss=check_loss))
         per_token_loss = _loss_kind(per_token_loss, keys["calculate_per_token_loss"])
         super().__init__(network, optimizer, accumulate_steps, micro_size=micro_size, per_token_loss=per_token_loss,
                          shared_inputs=shared_inputs, steps_per_epoch=steps_per_epoch,

@@ -218,6 +218,7 @@ def test_mindformers_wrapper_skips_a_window_whose_global_norm_spikes(threshold, 
     ({"global_norm_spike_threshold": "1"}, TypeError, r"'global_norm_spike_threshold' must be a positive float"),
     ({"sens": 1024}, TypeError, r"the runner_wrapper key\(s\) 'sens' are not known\. It takes this package's keys "
                                 r"\(micro_size, accumulate_steps"),
+    ({"check_loss": "no"}, TypeError, r"For 'GradAccumulationWrapper', the argument 'check_loss' must be a bool"),
     ({"local_norm": True}, ValueError, r"local_norm=True is not supported"),
     ({"grouped_lr_scheduler": [{}]}, ValueError, r"grouped learning-rate schedules \(grouped_lr_scheduler\) are not"),
     ({"calculate_per_token_loss": True, "per_token_loss": False}, ValueError,
