@@ -8,6 +8,8 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
              MindSpore nn.TransformerEncoderLayer layers: what compile time is measured on)
   KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
              | accumulate_unchecked (the same with check_loss=False: the loss contract check's cost)
+             | accumulate_in_graph (the same inside a train cell of one's own, a subclass of nn.TrainOneStepCell:
+             the loss contract is then checked inside the graph, not eagerly before it)
              | mindspore (nn.GradAccumulationCell inside nn.TrainOneStepCell) | steps
              (AccumulatingTrainOneStepCell, MICRO_SIZE calls of BATCH / MICRO_SIZE per optimizer step)
              | accumulate_steps (AccumulatingTrainOneStepCell(loss_net, opt, 1, micro_size=MICRO_SIZE))
@@ -146,7 +148,8 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     sens = None
     if net is None:   # the language model computes its loss itself
-        if kind not in ("plain", "accumulate", "accumulate_unchecked", "accumulate_steps", "steps"):
+        if kind not in ("plain", "accumulate", "accumulate_unchecked", "accumulate_in_graph", "accumulate_steps",
+                        "steps"):
             raise SystemExit(f"kind {kind!r} is not measured on the language model")
         net = loss_net = _LanguageModel(int(model[2:]))
     else:
@@ -172,7 +175,7 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         step = lambda: [cell(*part) for part in parts][-1].asnumpy()  # noqa: E731
         compile_inputs = parts[0]
     else:
-        if kind == "accumulate":
+        if kind in ("accumulate", "accumulate_in_graph"):
             loss_net = GradAccumulationCell(loss_net, micro_size, per_token_loss=per_token_loss)
         elif kind == "accumulate_unchecked":   # without the loss contract's check (its forward copy): what it costs
             loss_net = GradAccumulationCell(loss_net, micro_size, check_loss=False)
@@ -180,7 +183,13 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
             loss_net = nn.GradAccumulationCell(loss_net, micro_size)
         elif kind != "plain":
             raise SystemExit(f"unknown MindSpore kind {kind!r}")
-        cell = nn.TrainOneStepCell(loss_net, optimizer, sens=sens)
+        train_cell = nn.TrainOneStepCell
+        if kind == "accumulate_in_graph":
+            class OwnTrainCell(nn.TrainOneStepCell):
+                """A train cell of one's own: GradAccumulationCell cannot see its inputs before the graph compiles (a
+                subclass may change them), so it checks the loss contract inside the graph."""
+            train_cell = OwnTrainCell
+        cell = train_cell(loss_net, optimizer, sens=sens)
         step = lambda: cell(tx, ty).asnumpy()  # noqa: E731
         compile_inputs = (tx, ty)
     # Cell.compile builds the graph the first call then finds in MindSpore's cache (same cell, same input shapes).

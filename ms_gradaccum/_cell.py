@@ -7,6 +7,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
+from ms_gradaccum._contract import prepared_for
 from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, ZEROS_LIKE, CompileChecks,
                                      TrainGradAccuStepCell, bprops_calling_zeros_like, compile_time, compiling_graph,
@@ -320,6 +321,13 @@ class GradAccumulationCell(PrecisionNeutral):
     def targets_key(self) -> str:
         # Names the weights for the engine's compile cache, so PyNative mode compiles again when they change.
         return ",".join(f"{weight.name}#{id(weight)}" for weight in self._resolve()[0])
+
+    def __call__(self, *args, **kwargs):
+        if ms.get_context("mode") == ms.PYNATIVE_MODE:
+            # The loss contract's eager pass on the batch (in graph mode, where the graph compiles: _contract).
+            with prepared_for(self, args):
+                return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def construct(self, *inputs):
         run_compile_checks(self.compile_checks)

@@ -4,23 +4,36 @@ The cells are exact when the network's loss is what they are told it is: a mean 
 a sum over them (``reduction='sum'``), or ``(loss_sum, count)`` with ``per_token_loss=True``. Zoos break that without a
 sign: a detector's ``B * sum / max(S, 1)``, with ``S`` summed over the whole batch, trained 4 to 16 times too small.
 
-On the first step (per cell; not carried by checkpoints, so every new cell checks once) the network runs forward once
-more, on the rows of the first two micro-batches together (two micro-batches' worth), and the result is compared with
-what the cell computes from those two micro-batches' own losses, which the micro-batch loop keeps: their row-weighted
-mean, their sum, or the sums of ``loss_sum`` and of ``count``. A mismatch stops training before the first update, with
-the measured ratio and the route that fits it. Noise that one forward pass sees and the other does not is tolerated
-where the network has it: batch statistics (BatchNorm in training, warned about at construction) and random cells
-(dropout), for which only a gross mismatch (a ratio outside [1/1.5, 1.5]) stops. What it cannot see: a loss that breaks
-the contract on some batches only (the first step's pair passes), or only beyond two micro-batches.
-"""
-import numbers
+Before the first step (per cell; not carried by checkpoints, so every new cell checks once) the network runs forward,
+eagerly (PyNative mode, outside any graph), on rows of the batch: two halves of the first micro-batch's size, each
+alone and both together (two micro-batches' worth of rows in all). The loss of the rows together is compared with what
+the cell would compute from the halves' own losses: their row-weighted mean, their sum, or the sums of ``loss_sum`` and
+of ``count``. A mismatch stops training before the first update, with the measured ratio and the route that fits it.
+At a fixed number of rows a sum and a mean differ by a constant factor, so only passes on different numbers of rows can
+tell them apart; run eagerly, those passes add nothing to the compiled graph. BatchNorm's moving statistics are put
+back after them. Noise that one forward pass sees and the other does not is tolerated where the network has it: batch
+statistics (BatchNorm in training, warned about at construction) and random cells (dropout), for which only a gross
+mismatch (a ratio outside [1/1.5, 1.5]) stops. What it cannot see: a loss that breaks the contract on some batches only
+(the first batch passes), or only beyond two micro-batches' rows.
 
+Where the batch cannot be reached before the graph compiles, the check runs inside the graph instead, on the first
+step, with the rows of the first two micro-batches together against the loop's own losses of them
+(:class:`ContractCheck`; one more forward copy of the network in the graph): when the cell is compiled inside a train
+cell other than ``nn.TrainOneStepCell`` / ``nn.TrainOneStepWithLossScaleCell`` (or the package's own), inside a
+``jit`` function, in dataset sink mode, or when the eager passes fail (a network that only runs in graph mode).
+"""
+import contextlib
+import numbers
+from typing import Optional
+
+import numpy as np
+import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._internals import compile_time, primexpr
+from ms_gradaccum._internals import compile_time, eager_mode, parallel_mode, primexpr
 from ms_gradaccum._loss_scale import PrecisionNeutral
-from ms_gradaccum._microbatch import assemble, plan
+from ms_gradaccum._microbatch import assemble, check_loss_output, input_kinds, partition, plan, plan_inputs
 from ms_gradaccum._reduce import Unsaved
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16
 
@@ -63,8 +76,36 @@ def routes(kind: str) -> str:
             f"know the loss is fine here, pass check_loss=False.")
 
 
+class ContractError(ValueError):
+    """The network's loss does not combine over micro-batches as the cell computes it (raised before any update)."""
+
+
+def _value_and_count(out, cls_name: str, per_token_loss: bool) -> np.ndarray:
+    """``[loss, count]`` of an eager forward pass as ScaledLoss tallies them in the graph (float32 sums)."""
+    if isinstance(out, (tuple, list)):
+        check_loss_output(cls_name, per_token_loss, True, tuple(item.shape for item in out))
+        count = out[1].asnumpy().astype(np.float32).sum() if len(out) > 1 else np.float32(1.0)
+        return np.array([out[0].asnumpy().astype(np.float32).sum(), count], np.float32)
+    check_loss_output(cls_name, per_token_loss, False, (out.shape,))
+    return np.array([out.asnumpy().astype(np.float32).sum(), 1.0], np.float32)
+
+
+@contextlib.contextmanager
+def _moving_statistics_kept(network: nn.Cell):
+    """Puts BatchNorm's moving statistics back as they were: the check's pass is not a training step."""
+    kept = [(param, Tensor(param.asnumpy())) for name, param in network.parameters_and_names()
+            if name.split(".")[-1] in ("moving_mean", "moving_variance")]
+    try:
+        yield
+    finally:
+        for param, value in kept:
+            ops.assign(param, value)
+
+
 class ContractCheck(PrecisionNeutral):
-    """Runs once, on the first step the owner trains (see the module docstring)."""
+    """The check (see the module docstring). :meth:`prepared` runs the forward pass on the two micro-batches eagerly
+    before a graph compiles or runs; ``construct`` compares, on the first step the owner trains, that pass (or, where
+    it could not run, the same pass inside the graph) with the loop's own losses of them."""
 
     def __init__(self, scaled_loss: nn.Cell, network: nn.Cell, micro_size: int, per_token_loss: bool,
                  sum_over_rows: bool, enabled: bool, cls_name: str):
@@ -83,34 +124,103 @@ class ContractCheck(PrecisionNeutral):
                      f"is tolerated, so only a ratio outside [1/{NOISY_BAND}, {NOISY_BAND}] stops." if noise else ""
         self._checked = Unsaved(Parameter(Tensor(False), name="accu_state.loss_contract_checked",
                                            requires_grad=False))
+        # The eager pass's [loss, count] on the two micro-batches, for the graph's comparison.
+        self._reference = Unsaved(Parameter(Tensor(np.zeros(2, np.float32)), name="accu_state.loss_contract_reference",
+                                             requires_grad=False))
+        # Python state. `passed`: a graph has run the check and it held (later graphs leave it out). `ready`: the
+        # reference holds the pass on the inputs of the call under way (graphs compiled during it compare with it).
+        # `failed`: the eager pass could not run (the graph runs the pass itself).
+        self.passed = False
+        self.ready = False
+        self.failed = False
 
     @compile_time
     def checked(self) -> Parameter:
         return self._checked.parameter
 
     @compile_time
+    def reference(self) -> Parameter:
+        return self._reference.parameter
+
+    @compile_time
     def scaled_loss(self) -> nn.Cell:
         return self._scaled_loss
 
+    @compile_time
+    def in_graph(self) -> bool:
+        """Whether the graph being compiled holds the check: it is on and no graph has passed it yet."""
+        return self.enabled and not self.passed
+
+    @compile_time
+    def eager(self) -> bool:
+        """Whether the graph being compiled compares with the eager pass (else it runs the pass itself)."""
+        return self.ready
+
+    @contextlib.contextmanager
+    def prepared(self, engine: nn.Cell, inputs: tuple):
+        """For the duration of a call on `inputs` (the owner's; the batch): the eager pass on its first two
+        micro-batches is in :attr:`reference`, and graphs compiled meanwhile compare with it. Does nothing where the
+        check is off or has passed, or where the pass cannot run eagerly (a semi-auto/auto-parallel graph's global
+        shapes, inputs without data, a network that runs only in graph mode): the graph runs the pass then."""
+        self.ready = self.enabled and not self._has_passed() and self._eager_pass(engine, inputs)
+        try:
+            yield
+        finally:
+            self.ready = False
+
+    def _has_passed(self) -> bool:
+        # Read from the flag the graph sets (a device read, only until it is set).
+        if not self.passed and self.checked.asnumpy():
+            self.passed = True
+        return self.passed
+
+    def _eager_pass(self, engine: nn.Cell, inputs: tuple) -> bool:
+        if self.failed or parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
+            return False
+        if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
+            return False
+        try:
+            layout = plan_inputs(self.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
+                                 self.micro_size)
+            split, shared, constants = partition(inputs, layout)
+            rows = pair_rows(split[0].shape[0], self.micro_size)
+            if rows == 0:
+                return False
+            network = self._scaled_loss.loss_of_inputs.network
+            with eager_mode(), _moving_statistics_kept(network):
+                pair = tuple(x[:rows] for x in split)
+                value = _value_and_count(network(*assemble(pair, shared, constants, layout)), self.owner_name,
+                                         self.per_token_loss)
+        except Exception:  # pylint: disable=broad-except
+            # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with
+            # its own message. The graph runs the pass (and raises what it has to).
+            self.failed = True
+            return False
+        self.reference.set_data(Tensor(value))
+        return True
+
     def _mismatch(self, measured, predicted):
-        error = ops.abs(measured - predicted)
         if self.noisy:
             ratio = measured / ops.select(predicted == 0, ops.ones_like(predicted), predicted)
             return ops.logical_or(ratio > NOISY_BAND, ratio < 1 / NOISY_BAND)
-        return error > self.rtol * ops.abs(predicted) + ATOL
+        return ops.abs(measured - predicted) > self.rtol * ops.abs(predicted) + ATOL
 
     def construct(self, split, others, pair_value, pair_count, unit, after):
         """Checks the contract on the first call (`after` is returned, made to depend on it)."""
-        if self.enabled:
+        if self.in_graph:
             rows = pair_rows(split[0].shape[0], self.micro_size)
             if rows > 0:
                 checked = self.checked
                 if not checked:
-                    shared, constants, layout = others
-                    pair = ()
-                    for x in split:
-                        pair += (x[:rows],)
-                    out = self.scaled_loss(assemble(pair, shared, constants, layout), Tensor(1.0, mstype.float32))
+                    if self.eager:
+                        reference = self.reference
+                        out = (reference[0], reference[0], reference[1])
+                    else:
+                        shared, constants, layout = others
+                        pair = ()
+                        for x in split:
+                            pair += (x[:rows],)
+                        out = self.scaled_loss(assemble(pair, shared, constants, layout), Tensor(1.0, mstype.float32))
                     if self.per_token_loss:
                         measured, predicted = out[1] / out[2], pair_value / pair_count
                         bad = ops.logical_or(self._mismatch(out[1], pair_value), self._mismatch(out[2], pair_count))
@@ -131,3 +241,30 @@ class ContractCheck(PrecisionNeutral):
                             f"{routes(self.kind)}")
                     after = ops.depend(after, ops.assign(checked, Tensor(True)))
         return after
+
+
+# The train cells whose construct hands its inputs, unchanged, to `self.network` (mindspore/nn/wrap/cell_wrapper.py,
+# loss_scale.py; checked 2.7.0-2.10.0): what Model builds around GradAccumulationCell, and hand-written loops use.
+# Exact types: a subclass may change the inputs.
+_PASS_THROUGH = (nn.TrainOneStepCell, nn.TrainOneStepWithLossScaleCell)
+
+
+def prepared_for(owner: nn.Cell, inputs: tuple):
+    """The eager pass of `owner` (a GradAccumulationCell or AccumulatingTrainOneStepCell) on its `inputs`, for the
+    duration (:meth:`ContractCheck.prepared`); nothing for another cell."""
+    engine = getattr(owner, "engine", None)
+    contract = getattr(engine, "contract", None)
+    if isinstance(contract, ContractCheck):
+        return contract.prepared(engine, inputs)
+    return contextlib.nullcontext()
+
+
+def around_compile(cell: nn.Cell, args: tuple):
+    """Around the graph executor's compile of `cell` on `args` (called each time a cell is called in graph mode, with
+    the call's inputs): the eager pass of the package cell compiled as the outermost, or of the one a pass-through
+    train cell wraps."""
+    if ms.get_context("mode") != ms.GRAPH_MODE:
+        return contextlib.nullcontext()   # PyNative mode: the package cells prepare when called (their __call__)
+    if type(cell) in _PASS_THROUGH:   # pylint: disable=unidiomatic-typecheck
+        cell = getattr(cell, "network", None)
+    return prepared_for(cell, args)

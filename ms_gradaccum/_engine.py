@@ -21,8 +21,10 @@ from mindspore import nn, ops, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._buffers import add_gradients, clear
+from ms_gradaccum import _contract
 from ms_gradaccum._contract import ContractCheck
-from ms_gradaccum._internals import ZEROS_LIKE, compile_time, install_micro_batch_context, primexpr
+from ms_gradaccum._internals import (ZEROS_LIKE, around_compile, compile_time, install_micro_batch_context,
+                                     primexpr)
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import (assemble, check_loss_output, input_kinds, input_names, micro_batch,
                                       partition, plan_inputs, split_batch)
@@ -132,6 +134,7 @@ class MicroBatchGradients(PrecisionNeutral):
                  check_loss: bool = True):
         super().__init__(auto_prefix=False)
         install_micro_batch_context()   # errors the network raises on a micro-batch say so (_internals 11.)
+        around_compile(_contract.around_compile)   # the loss contract's eager pass (_contract)
         self.sum_over_rows = sum_over_rows
         self.scaled_loss = ScaledLoss(network, per_token_loss, cls_name)
         self.contract = ContractCheck(self.scaled_loss, network, micro_size, per_token_loss, sum_over_rows,

@@ -4,10 +4,11 @@ Each entry says why the package needs it and against which MindSpore versions it
 (:data:`CHECKED_VERSIONS`). No other module imports a private MindSpore name or depends on undocumented
 behaviour; when MindSpore changes one of these, this is the file to adapt.
 """
+import contextlib
 import re
 import sys
 import weakref
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import mindspore as ms
 from mindspore import nn
@@ -550,6 +551,17 @@ def micro_batch_context(message: str) -> Optional[str]:
             f"check_loss=False, since the loss contract's check runs two micro-batches together.")
 
 
+_AROUND_COMPILE = []
+
+
+def around_compile(hook: Callable) -> None:
+    """Enters ``hook(cell, args)`` (a context manager) around each call of the graph executor's compile of a cell on
+    `args`: every call of a cell in graph mode, with its inputs (Cell.compile_and_run compiles, finding its cache, before
+    each run). The loss contract's eager pass (_contract.around_compile); registered once."""
+    if hook not in _AROUND_COMPILE:
+        _AROUND_COMPILE.append(hook)
+
+
 def install_micro_batch_context() -> None:
     """Wraps the graph executor's compile once (see above)."""
     try:
@@ -562,7 +574,10 @@ def install_micro_batch_context() -> None:
 
     def compile_with_context(*args, **kwargs):
         try:
-            return compile_graph(*args, **kwargs)
+            with contextlib.ExitStack() as around:
+                for hook in (_AROUND_COMPILE if args else ()):
+                    around.enter_context(hook(args[0], args[1:]))
+                return compile_graph(*args, **kwargs)
         except Exception as error:
             context = micro_batch_context(str(error))
             if context is not None and error.args and isinstance(error.args[0], str):
@@ -571,3 +586,29 @@ def install_micro_batch_context() -> None:
 
     setattr(compile_with_context, _WRAPPED, True)
     executor.compile = compile_with_context
+
+
+# --- 12. Running a network eagerly from anywhere ---------------------------------------------------------------------
+# The loss contract's check (_contract) runs the network forward outside any graph, before the first step: from Python
+# in GRAPH_MODE too (before a graph compiles). MindSpore switches modes with set_context(mode=...) at any time (a graph
+# already compiled is kept and runs as before; checked 2.7.0 and 2.10.0); gradient recording is off for the passes
+# (mindspore.graph.api._no_grad, common.api before 2.9), so that a call inside a PyNative train step records nothing.
+@contextlib.contextmanager
+def eager_mode():
+    """PyNative mode without gradient recording, for the duration; the mode and recording are restored after. On an
+    error, what PyNative recorded is cleared (as MindSpore does when a jit compile fails)."""
+    executor = _pynative_executor()
+    mode = ms.get_context("mode")
+    recording = executor.enable_grad()
+    if mode != ms.PYNATIVE_MODE:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    executor.set_enable_grad(False)
+    try:
+        yield
+    except Exception:
+        executor.clear_res()
+        raise
+    finally:
+        executor.set_enable_grad(recording)
+        if mode != ms.PYNATIVE_MODE:
+            ms.set_context(mode=mode)

@@ -9,6 +9,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
+from ms_gradaccum._contract import prepared_for
 from ms_gradaccum._cell import GradAccumulationCell, loss_rows
 from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._internals import (PARALLEL_PASS_MODES, CompileChecks, enclosing_optimizer, parallel_mode, primexpr,
@@ -279,6 +280,13 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         if self.window_position == 0:
             ops.assign(self.count_unit, unit)
         return ops.depend(self.count_unit * 1.0, unit)
+
+    def __call__(self, *args, **kwargs):
+        if ms.get_context("mode") == ms.PYNATIVE_MODE:
+            # The loss contract's eager pass on the batch (in graph mode, where the graph compiles: _contract).
+            with prepared_for(self, args):
+                return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def construct(self, *inputs):
         loss, overflow, scale = self._train_step(*inputs)
