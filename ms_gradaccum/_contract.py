@@ -4,23 +4,25 @@ The cells are exact when the network's loss is what they are told it is: a mean 
 a sum over them (``reduction='sum'``), or ``(loss_sum, count)`` with ``per_token_loss=True``. Zoos break that without a
 sign: a detector's ``B * sum / max(S, 1)``, with ``S`` summed over the whole batch, trained 4 to 16 times too small.
 
-Before the first step (per cell; not carried by checkpoints, so every new cell checks once) the network runs forward,
-eagerly (PyNative mode, outside any graph), on rows of the batch: two halves of the first micro-batch's size, each
-alone and both together (two micro-batches' worth of rows in all). The loss of the rows together is compared with what
-the cell would compute from the halves' own losses: their row-weighted mean, their sum, or the sums of ``loss_sum`` and
-of ``count``. A mismatch stops training before the first update, with the measured ratio and the route that fits it.
-At a fixed number of rows a sum and a mean differ by a constant factor, so only passes on different numbers of rows can
-tell them apart; run eagerly, those passes add nothing to the compiled graph. BatchNorm's moving statistics are put
-back after them. Noise that one forward pass sees and the other does not is tolerated where the network has it: batch
+On the first step (per cell; not carried by checkpoints, so every new cell checks once) the network's loss on the rows
+of the first two micro-batches together is compared with what the cell computes from those two micro-batches' own
+losses, which the micro-batch loop keeps: their row-weighted mean, their sum, or the sums of ``loss_sum`` and of
+``count``. A mismatch stops training before the first update, with the measured ratio and the route that fits it.
+At a fixed number of rows a sum and a mean differ by a constant factor, so the comparison needs a pass on another
+number of rows than the loop's. That pass runs eagerly (PyNative mode, no gradient recorded), before the graph runs,
+on the call's own batch: its result reaches the graph's comparison through a Parameter, and the graph holds no copy of
+the network for it. Graphs compiled after the check held leave it out. BatchNorm's moving statistics are put back
+after the pass. Noise that one forward pass sees and the other does not is tolerated where the network has it: batch
 statistics (BatchNorm in training, warned about at construction) and random cells (dropout), for which only a gross
 mismatch (a ratio outside [1/1.5, 1.5]) stops. What it cannot see: a loss that breaks the contract on some batches only
-(the first batch passes), or only beyond two micro-batches' rows.
+(the first step's pair passes), or only beyond two micro-batches.
 
-Where the batch cannot be reached before the graph compiles, the check runs inside the graph instead, on the first
-step, with the rows of the first two micro-batches together against the loop's own losses of them
-(:class:`ContractCheck`; one more forward copy of the network in the graph): when the cell is compiled inside a train
-cell other than ``nn.TrainOneStepCell`` / ``nn.TrainOneStepWithLossScaleCell`` (or the package's own), inside a
-``jit`` function, in dataset sink mode, or when the eager passes fail (a network that only runs in graph mode).
+The batch is reached where a cell is called from Python: the package cells themselves (called, or compiled as the
+outermost graph: the graph executor's compile is entered on every call, with the call's inputs, see
+_internals.around_compile), and the train cells that hand their inputs unchanged to the package cell
+(``nn.TrainOneStepCell``, ``nn.TrainOneStepWithLossScaleCell``: what Model builds). Elsewhere (a train cell of one's own,
+a ``jit`` function, dataset sink mode, dynamic-shape inputs) and where the network does not run eagerly, the graph runs
+the pass itself: one forward copy of the network more in the graph, and its compile time (measured in the benchmark).
 """
 import contextlib
 import numbers

@@ -196,6 +196,102 @@ def test_contract_check_runs_once_per_cell():
     assert second > 2 * first   # the break is real (one micro-batch scaled), and the check does not see it
 
 
+# --- where the check's pass runs ----------------------------------------------------------------------------------
+
+class OwnTrainCell(nn.TrainOneStepCell):
+    """A train cell of one's own: a subclass may change the inputs it hands the network, so the package cell cannot
+    take the batch from it before the graph compiles; the graph runs the check's pass itself."""
+
+
+def _in_own_train_cell(**kwargs):
+    return lambda loss_net, opt: OwnTrainCell(GradAccumulationCell(loss_net, K, **kwargs), opt)
+
+
+@pytest.mark.parametrize("where, wrap, make_loss", [
+    ("in_graph", _in_own_train_cell, lambda net: SumLoss(net, "sum")),
+    ("graph_only_network", _cell, lambda net: GraphOnlyLoss(SumLoss(net, "sum"))),
+    ("graph_only_network", _steps, lambda net: GraphOnlyLoss(SumLoss(net, "sum"))),
+], ids=["own_train_cell", "graph_only_network-GradAccumulationCell", "graph_only_network-AccumulatingTrainOneStepCell"])
+def test_contract_check_runs_in_the_graph_where_it_cannot_run_eagerly(where, wrap, make_loss):
+    # The same check, with the pass inside the graph (test_graph counts its forward copy): a broken loss stops before
+    # any update; a mean loss trains (control).
+    before, after, error = _first_step(make_loss, wrap)
+    assert error is not None and re.search(r"ratio 2\.0", error) and "reduction='sum'" in error, error
+    assert all(np.array_equal(after[name], before[name]) for name in before), "the weights moved"
+    mean = (lambda net: GraphOnlyLoss(nn.WithLossCell(net, ce()))) if where == "graph_only_network" else \
+        (lambda net: nn.WithLossCell(net, ce()))
+    before, after, error = _first_step(mean, wrap)
+    assert error is None, error
+    assert any(not np.array_equal(after[name], before[name]) for name in before)
+
+
+class GraphOnlyLoss(nn.Cell):
+    """Wraps a loss network that does not run eagerly (as one written only for graph mode): PyNative calls fail."""
+
+    def __init__(self, loss_net):
+        super().__init__(auto_prefix=False)
+        self.loss_net = loss_net
+
+    def __call__(self, *args, **kwargs):
+        if ms.get_context("mode") == ms.PYNATIVE_MODE:
+            raise RuntimeError("this network runs in graph mode only")
+        return super().__call__(*args, **kwargs)
+
+    def construct(self, x, y):
+        return self.loss_net(x, y)
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_contract_check_compares_the_call_s_own_batch(wrap):
+    # Compiled on one batch, trained on another: the eager pass is taken on the batch the graph then runs, not the one
+    # it was compiled on (a pass kept from the first would not match the second batch's losses: a false error).
+    net = make_mlp()
+    step = wrap()(nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()))
+    (x, y), (x2, y2) = classification_batches(2, 32)
+    step.compile(Tensor(x), Tensor(y))
+    before = params_of(net)
+    step(Tensor(x2 * 3.0), Tensor(y2))
+    assert any(not np.array_equal(value, before[name]) for name, value in params_of(net).items())
+    # Control: the check is on in this flow: a sum loss compiled and run the same way stops.
+    net = make_mlp()
+    step = wrap()(SumLoss(net, "sum"), make_optimizer("sgd", net.trainable_params()))
+    step.compile(Tensor(x), Tensor(y))
+    with pytest.raises(ValueError, match=r"ratio 2\.0"):
+        step(Tensor(x2 * 3.0), Tensor(y2))
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_contract_check_in_pynative_mode(wrap):
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    before, after, error = _first_step(lambda net: SumLoss(net, "sum"), wrap)
+    assert error is not None and re.search(r"ratio 2\.0", error), error
+    assert all(np.array_equal(after[name], before[name]) for name in before), "the weights moved"
+    before, after, error = _first_step(lambda net: nn.WithLossCell(net, ce()), wrap)
+    assert error is None, error
+    assert any(not np.array_equal(after[name], before[name]) for name in before)
+
+
+def test_contract_check_leaves_batch_norm_moving_statistics_as_they_were():
+    # The check's pass is not a training step: with it and without it (check_loss=False), one step leaves the same
+    # moving statistics and weights. (Its noise tolerance for BatchNorm: the test above.)
+    def run(check_loss):
+        net = nn.SequentialCell(nn.Dense(16, 16), nn.BatchNorm1d(16), make_mlp())
+        for param in net.get_parameters():   # the same start for both runs
+            param.set_data(Tensor(np.full(param.shape, 0.01 * (hash(param.name) % 7), np.float32)))
+        step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, ce()), K, check_loss=check_loss),
+                                   make_optimizer("sgd", net.trainable_params()))
+        step.set_train()   # BatchNorm on batch statistics, updating its moving ones
+        x, y = classification_batches(1, 32)[0]
+        step(Tensor(x), Tensor(y))
+        return {p.name: p.asnumpy().copy() for p in net.get_parameters()}
+
+    with pytest.warns(UserWarning, match="batch normalisation"):
+        checked, unchecked = run(True), run(False)
+    assert any("moving_mean" in name for name in checked)
+    for name, value in checked.items():
+        np.testing.assert_array_equal(value, unchecked[name], err_msg=name)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"reduction": "max"}, ValueError, r"the argument 'reduction' must be 'mean' \(a mean over the rows it is given\) "
                                        r"or 'sum'"),
