@@ -511,6 +511,8 @@ def batch_axis_splits() -> tuple:
 # Construct Code" runs through the engine's call of the network (_engine.TupleInputs) the micro-batches' rows (recorded
 # when the graph compiled, _microbatch.plan_inputs), micro_size, and the fix. Everything else passes through unchanged.
 # Checked 2.7.0 and 2.10.0. Errors at run time (kernels) and in PyNative mode are left as MindSpore raises them.
+# The same wrapper enters the hooks registered with around_compile (the loss contract's eager pass, _contract): Cell's
+# compile_and_run calls this compile on every call, with the call's inputs, before it runs the graph it finds cached.
 _NETWORK_CALL = "return self.network(*inputs)"
 _ENGINE_FILE = "ms_gradaccum/_engine.py"
 _CONTRACT_FILE = "ms_gradaccum/_contract.py"
@@ -591,8 +593,9 @@ def install_micro_batch_context() -> None:
 # --- 12. Running a network eagerly from anywhere ---------------------------------------------------------------------
 # The loss contract's check (_contract) runs the network forward outside any graph, before the first step: from Python
 # in GRAPH_MODE too (before a graph compiles). MindSpore switches modes with set_context(mode=...) at any time (a graph
-# already compiled is kept and runs as before; checked 2.7.0 and 2.10.0); gradient recording is off for the passes
-# (mindspore.graph.api._no_grad, common.api before 2.9), so that a call inside a PyNative train step records nothing.
+# already compiled is kept and runs as before; checked 2.7.0 and 2.10.0); gradient recording is off for the pass (the
+# PyNative executor's set_enable_grad, as mindspore.graph.api._no_grad does; common.api before 2.9), so that a call
+# inside a PyNative train step records nothing.
 @contextlib.contextmanager
 def eager_mode():
     """PyNative mode without gradient recording, for the duration; the mode and recording are restored after. On an
