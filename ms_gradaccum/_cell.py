@@ -82,7 +82,11 @@ def loss_rows(per_token_loss: bool, sum_over_rows: bool, count, unit, rows):
     if not sum_over_rows:
         return Tensor(1.0, mstype.float32)
     if per_token_loss:
-        return Tensor(rows, mstype.float32)
+        if isinstance(rows, int):
+            return Tensor(rows, mstype.float32)
+        # A Tensor (a Parameter: AccumulatingTrainOneStepCell's window rows): read, not wrapped in a new Tensor, which
+        # MindSpore 2.7.0 ran into an Assign without a device address ("input_data does not have a valid ptr").
+        return ops.cast(rows, mstype.float32) * 1.0
     return count * unit
 
 
