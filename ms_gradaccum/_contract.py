@@ -26,7 +26,6 @@ the pass itself: one forward copy of the network more in the graph, and its comp
 """
 import contextlib
 import numbers
-from typing import Optional
 
 import numpy as np
 import mindspore as ms
@@ -76,10 +75,6 @@ def routes(kind: str) -> str:
             f"targets, a score sum), return (loss_sum, count) and pass per_token_loss=True (min_count=1.0 for a "
             f"max(count, 1) floor, and reduction='sum' as well if it is also multiplied by the batch size). If you "
             f"know the loss is fine here, pass check_loss=False.")
-
-
-class ContractError(ValueError):
-    """The network's loss does not combine over micro-batches as the cell computes it (raised before any update)."""
 
 
 def _value_and_count(out, cls_name: str, per_token_loss: bool) -> np.ndarray:
