@@ -36,7 +36,7 @@ from ms_gradaccum._internals import compile_time, eager_mode, parallel_mode, pri
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import assemble, check_loss_output, input_kinds, partition, plan, plan_inputs
 from ms_gradaccum._reduce import Unsaved
-from ms_gradaccum._validation import batch_norm_cells, computes_in_float16
+from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
 # Relative tolerance of the comparison: float32 reductions in another order; float16 networks round far more.
 RTOL, RTOL_FLOAT16, ATOL = 1e-3, 2e-2, 1e-6
@@ -228,7 +228,8 @@ class ContractCheck(PrecisionNeutral):
                         measured, predicted = out[1], pair_value / pair_count
                         bad = self._mismatch(measured, predicted)
                     if bad:
-                        ratio = measured / predicted
+                        ratio = readable(measured / predicted)
+                        measured, predicted = readable(measured), readable(predicted)
                         raise ValueError(
                             f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the "
                             f"cell computes it, so training would not give the full batch's update: on the first "

@@ -26,6 +26,7 @@ from ms_gradaccum._contract import ContractCheck
 from ms_gradaccum._internals import (ZEROS_LIKE, around_compile, compile_time, install_micro_batch_context,
                                      primexpr)
 from ms_gradaccum._loss_scale import PrecisionNeutral
+from ms_gradaccum._validation import readable
 from ms_gradaccum._microbatch import (assemble, check_loss_output, input_kinds, input_names, micro_batch,
                                       partition, plan_inputs, split_batch)
 
@@ -216,7 +217,7 @@ class MicroBatchGradients(PrecisionNeutral):
         if smallest < 0:
             raise ValueError(f"For '{self.owner_name}', with per_token_loss=True the count returned by 'network' must be "
                              f"a finite number >= 0 (e.g. the number of valid tokens), but a micro-batch returned "
-                             f"{smallest}.")
+                             f"{readable(smallest)}.")
         return smallest
 
     # Compiled as a graph in PyNative mode too: there, a cell with a custom bprop runs its construct under

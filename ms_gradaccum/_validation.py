@@ -8,7 +8,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from mindspore import nn
+from mindspore import nn, ops, Tensor
 from mindspore.common import dtype as mstype
 
 
@@ -21,6 +21,33 @@ def argument_error(cls_name: str, arg_name: str, expected: str, value: Any, hint
     """Build the message for an argument that is not what ``expected`` says."""
     message = f"For '{cls_name}', the argument '{arg_name}' must be {expected}, but got {describe(value)}."
     return f"{message} {hint}" if hint else message
+
+
+# Powers of ten up to 10**10, all exact in float32.
+_POWERS_OF_TEN = Tensor(np.array([10.0 ** k for k in range(11)], np.float32))
+
+
+def readable(value: Tensor, digits: int = 4) -> Tensor:
+    """`value` (a float Tensor, in a graph or not) rounded to `digits` significant digits, for messages that print it.
+
+    A float32 printed in full shows the processor's last bits (``1.9999999`` on one machine, ``2.0`` on another);
+    rounded, it prints the same shortest text everywhere (``2.0``, ``11.35``). Zero, inf, nan and magnitudes beyond 10**±10 print as they are.
+    """
+    value = ops.cast(value, mstype.float32)
+    size = ops.abs(value)
+    usable = ops.logical_and(ops.isfinite(value), size > 0)
+    safe = ops.select(usable, size, ops.ones_like(size))
+    exponent = ops.cast(ops.floor(ops.log(safe) / float(np.log(10.0))), mstype.int32)
+    shift = digits - 1 - exponent
+    usable = ops.logical_and(usable, ops.abs(shift) <= 10)   # beyond 10**±10 (rare in a loss): printed in full
+    shift = ops.clip(shift, -10, 10)
+    power = ops.gather(_POWERS_OF_TEN, ops.abs(shift), 0)
+    # Division and multiplication by an exact power of ten are correctly rounded: the shortest text of the result is
+    # the rounded decimal.
+    up = ops.round(value * power) / power
+    down = ops.round(value / power) * power
+    rounded = ops.select(shift >= 0, up, down)
+    return ops.select(usable, rounded, value)
 
 
 def check_int(value: Any, minimum: int, subject: str, expected: str, cls_name: str) -> int:

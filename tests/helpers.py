@@ -1,4 +1,5 @@
 """Shared networks, data, reference training and tolerance helpers for the tests."""
+import re
 from typing import Callable, Dict, List, Sequence
 
 import numpy as np
@@ -7,6 +8,17 @@ from mindspore import nn, ops, Tensor
 from mindspore.ops import functional as F
 
 Params = Dict[str, np.ndarray]
+
+
+def number_after(label: str, text: str) -> float:
+    """The number printed after `label` in a message (``"ratio 2.0"`` -> 2.0), checked to be readable: at most 4
+    significant digits. Messages are read as numbers, never as digit strings: a float32's last printed digit depends
+    on the processor (``2.0`` on one machine, ``1.9999999`` on another)."""
+    found = re.search(re.escape(label) + r" (-?(?:[0-9]+\.?[0-9]*(?:e[-+]?[0-9]+)?|inf|nan))", text)
+    assert found, f"no number after {label!r} in: {text}"
+    digits = re.sub(r"e.*$", "", found.group(1)).replace("-", "").replace(".", "").strip("0")
+    assert len(digits) <= 4, f"{label} {found.group(1)} is printed to more than 4 significant digits in: {text}"
+    return float(found.group(1))
 
 
 def ce() -> nn.Cell:
