@@ -17,7 +17,7 @@ from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, ZEROS_LI
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
-from ms_gradaccum._tokens import warn_token_mean
+from ms_gradaccum._tokens import LabelWatch, warn_token_mean
 from ms_gradaccum._validation import (check_bool, check_cell, check_has_parameters, check_input_indices,
                                       check_min_count, check_positive_int, check_reduction, no_trained_weights_error,
                                       warn_batch_norm)
@@ -161,10 +161,12 @@ class GradAccumulationCell(PrecisionNeutral):
             (for a loss cell that returns a mean over valid tokens, :func:`token_sum_loss` makes it so): the gradient
             is then divided by the count of the whole batch. A batch whose total count is 0 hands over a zero
             gradient and returns loss 0 (under ``nn.TrainOneStepCell`` the optimizer still steps on that zero
-            gradient; :class:`AccumulatingTrainOneStepCell` skips such a step exactly). ``None`` means ``False``, but
-            a network holding a loss that averages over valid tokens (``nn.CrossEntropyLoss``/``nn.NLLLoss`` with
-            ``reduction='mean'``, MindFormers' ``CrossEntropyLoss``) then gets a ``UserWarning`` at construction:
-            pass ``False`` to declare that every row holds the same number of valid tokens. Default: ``None``.
+            gradient; :class:`AccumulatingTrainOneStepCell` skips such a step exactly). ``None`` means ``False``, and
+            a loss that averages over valid tokens gets a ``UserWarning`` where the update can differ: at
+            construction for class weights and MindFormers' ``CrossEntropyLoss``; on the first step for
+            ``nn.CrossEntropyLoss``/``nn.NLLLoss`` when the batch holds labels equal to ``ignore_index`` or the
+            loss gets several labels per row (one label per row, none ignored, is a row mean: nothing is said).
+            Pass ``False`` to declare that every row holds the same number of valid tokens. Default: ``None``.
         shared_inputs (Union[int, tuple[int]]): Indices of the inputs that every micro-batch receives whole instead of
             split, e.g. position ids of shape ``(1, T)`` shared by the batch. None, Python numbers and 0-d Tensors
             are always passed whole. Not supported under semi-auto/auto parallel. Default: ``()``.
@@ -236,7 +238,8 @@ class GradAccumulationCell(PrecisionNeutral):
         self.gradient_buffers = GradientBuffers()
         self.engine = MicroBatchGradients(network, micro_size, per_token_loss, overwrite=True,
                                           targets=self._targets, cls_name=_NAME, shared_inputs=shared_inputs,
-                                          sum_over_rows=reduction == "sum", check_loss=check_loss)
+                                          sum_over_rows=reduction == "sum", check_loss=check_loss,
+                                          labels=LabelWatch(network, _NAME, declared or micro_size == 1))
         self.token_totals = TokenTotals(per_token_loss, _NAME)
         self.replicas = ReplicaCheck(self._targets, _NAME)
         self.gradient_of = GradientOf()

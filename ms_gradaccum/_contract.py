@@ -26,6 +26,7 @@ the pass itself: one forward copy of the network more in the graph, and its comp
 """
 import contextlib
 import numbers
+from typing import Optional
 
 import numpy as np
 import mindspore as ms
@@ -36,6 +37,7 @@ from ms_gradaccum._internals import compile_time, eager_mode, parallel_mode, pri
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import assemble, check_loss_output, input_kinds, partition, plan, plan_inputs
 from ms_gradaccum._reduce import Unsaved
+from ms_gradaccum._tokens import LabelWatch
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
 # Relative tolerance of the comparison: float32 reductions in another order; float16 networks round far more.
@@ -105,8 +107,10 @@ class ContractCheck(PrecisionNeutral):
     it could not run, the same pass inside the graph) with the loop's own losses of them."""
 
     def __init__(self, scaled_loss: nn.Cell, network: nn.Cell, micro_size: int, per_token_loss: bool,
-                 sum_over_rows: bool, enabled: bool, cls_name: str):
+                 sum_over_rows: bool, enabled: bool, cls_name: str, labels: Optional[LabelWatch] = None):
         super().__init__(auto_prefix=False)
+        # The first step's look at the labels of token-mean losses (_tokens), taken during the same eager pass.
+        self.labels = labels
         object.__setattr__(self, "_scaled_loss", scaled_loss)   # the engine's own cell: not a second child
         self.micro_size = micro_size
         self.per_token_loss = per_token_loss
@@ -159,7 +163,9 @@ class ContractCheck(PrecisionNeutral):
         micro-batches is in :attr:`reference`, and graphs compiled meanwhile compare with it. Does nothing where the
         check is off or has passed, or where the pass cannot run eagerly (a semi-auto/auto-parallel graph's global
         shapes, inputs without data, a network that runs only in graph mode): the graph runs the pass then."""
-        self.ready = self.enabled and not self._has_passed() and self._eager_pass(engine, inputs)
+        self.ready = self.enabled and not self._has_passed() and self._eager_pass(engine, inputs, pair=True)
+        if self.labels is not None and self.labels.armed:
+            self._eager_pass(engine, inputs, pair=False)   # the check is off or has passed: one micro-batch's pass
         try:
             yield
         finally:
@@ -171,7 +177,10 @@ class ContractCheck(PrecisionNeutral):
             self.passed = True
         return self.passed
 
-    def _eager_pass(self, engine: nn.Cell, inputs: tuple) -> bool:
+    def _eager_pass(self, engine: nn.Cell, inputs: tuple, pair: bool) -> bool:
+        """The network's forward pass, eagerly, on the rows of the first two micro-batches (`pair`: the check's
+        reference goes into :attr:`reference`) or of the first one (only for the label watch). False where it cannot
+        run; the label watch is spent either way."""
         if self.failed or parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
             return False
         if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
@@ -180,20 +189,22 @@ class ContractCheck(PrecisionNeutral):
             layout = plan_inputs(self.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
                                  self.micro_size)
             split, shared, constants = partition(inputs, layout)
-            rows = pair_rows(split[0].shape[0], self.micro_size)
+            rows = pair_rows(split[0].shape[0], self.micro_size) if pair else plan(split[0].shape[0],
+                                                                                    self.micro_size)[0][1]
             if rows == 0:
                 return False
             network = self._scaled_loss.loss_of_inputs.network
-            with eager_mode(), _moving_statistics_kept(network):
-                pair = tuple(x[:rows] for x in split)
-                value = _value_and_count(network(*assemble(pair, shared, constants, layout)), self.owner_name,
-                                         self.per_token_loss)
+            watch = self.labels.watching(rows, split) if self.labels is not None else contextlib.nullcontext()
+            with eager_mode(), _moving_statistics_kept(network), watch:
+                out = network(*assemble(tuple(x[:rows] for x in split), shared, constants, layout))
+            value = _value_and_count(out, self.owner_name, self.per_token_loss) if pair else None
         except Exception:  # pylint: disable=broad-except
             # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with
             # its own message. The graph runs the pass (and raises what it has to).
             self.failed = True
             return False
-        self.reference.set_data(Tensor(value))
+        if pair:
+            self.reference.set_data(Tensor(value))
         return True
 
     def _mismatch(self, measured, predicted):

@@ -125,6 +125,7 @@ class MicroBatchGradients(PrecisionNeutral):
             buffers; read when the graph compiles.
         cls_name (str): The public cell, for error messages.
         shared_inputs (tuple): Indices of the inputs every micro-batch receives whole (see :meth:`split_inputs`).
+        labels (LabelWatch): The first step's look at the labels of token-mean losses (_tokens), or None.
 
     Its ``bprop`` returns zeros for its inputs, so an outer ``GradOperation`` treats it as opaque and does not
     differentiate through the loop (which would recompute everything and hold every activation).
@@ -132,14 +133,14 @@ class MicroBatchGradients(PrecisionNeutral):
 
     def __init__(self, network: nn.Cell, micro_size: int, per_token_loss: bool, overwrite: bool,
                  targets: Callable, cls_name: str, shared_inputs: tuple = (), sum_over_rows: bool = False,
-                 check_loss: bool = True):
+                 check_loss: bool = True, labels=None):
         super().__init__(auto_prefix=False)
         install_micro_batch_context()   # errors the network raises on a micro-batch say so (_internals 11.)
         around_compile(_contract.around_compile)   # the loss contract's eager pass (_contract)
         self.sum_over_rows = sum_over_rows
         self.scaled_loss = ScaledLoss(network, per_token_loss, cls_name)
         self.contract = ContractCheck(self.scaled_loss, network, micro_size, per_token_loss, sum_over_rows,
-                                      check_loss and micro_size > 1, cls_name)
+                                      check_loss and micro_size > 1, cls_name, labels)
         self.micro_size = micro_size
         self.shared_inputs = shared_inputs
         self.input_names = input_names(network)

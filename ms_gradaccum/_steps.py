@@ -15,7 +15,7 @@ from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._internals import (PARALLEL_PASS_MODES, CompileChecks, enclosing_optimizer, parallel_mode, primexpr,
                                      run_compile_checks, training_under_model)
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
-from ms_gradaccum._tokens import warn_token_mean
+from ms_gradaccum._tokens import LabelWatch, warn_token_mean
 from ms_gradaccum._validation import (argument_error, check_bool, check_cell, check_has_parameters,
                                       check_input_indices, check_min_count, check_positive_int, check_reduction,
                                       warn_batch_norm)
@@ -88,7 +88,8 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
             Default: ``None``: 1, or the `micro_size` of a :class:`GradAccumulationCell` `network`.
         per_token_loss (bool, optional): Whether `network` returns ``(loss_sum, count)`` (keyword only).
             Default: ``None``: ``False``, or that of a :class:`GradAccumulationCell` `network`; undeclared, a loss
-            that averages over valid tokens gets a ``UserWarning`` (see :class:`GradAccumulationCell`).
+            that averages over valid tokens gets a ``UserWarning`` where the update can differ (see
+            :class:`GradAccumulationCell`).
         shared_inputs (Union[int, tuple[int]], optional): Indices of the inputs every micro-batch receives whole
             (keyword only; see :class:`GradAccumulationCell`). Default: ``None``: ``()``, or that of a
             :class:`GradAccumulationCell` `network`.
@@ -210,7 +211,8 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         self.shared_inputs = shared_inputs
         self.engine = MicroBatchGradients(loss_network, micro_size, per_token_loss, overwrite=False,
                                           targets=self._targets, cls_name=_NAME, shared_inputs=shared_inputs,
-                                          sum_over_rows=reduction == "sum", check_loss=check_loss)
+                                          sum_over_rows=reduction == "sum", check_loss=check_loss,
+                                          labels=LabelWatch(loss_network, _NAME, declared or not parts))
         self.token_totals = TokenTotals(per_token_loss, _NAME)
         self.replicas = ReplicaCheck(self._targets, _NAME)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).

@@ -1,5 +1,7 @@
 """Token-normalised losses: per_token_loss=True and (loss_sum, count) networks, divided by the whole batch's count."""
+import os
 import re
+import sys
 import warnings
 
 import numpy as np
@@ -12,6 +14,9 @@ from ms_gradaccum._tokens import token_mean_cells
 from helpers import (assert_params_close, assert_params_equal, assert_params_moved, ce, classification_batches,
                      make_mlp, make_optimizer, make_token_net, max_abs_diff, params_of, token_batches, TokenLoss,
                      train_steps)
+from launch import REPO
+
+sys.path.insert(0, os.path.join(REPO, "sample_code", "distributed_gradient_accumulation"))   # the tutorial's network
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 # Four micro-batches of 4 samples with 1, 6, 2 and 5 valid tokens per sample: very uneven token counts.
@@ -319,6 +324,7 @@ def _token_mean_warnings(build):
 
 
 def test_tokens_token_mean_loss_without_per_token_loss_is_warned_with_the_fix():
+    # Class weights make every micro-batch's divisor depend on its labels: warned at construction.
     loss_net = lambda: nn.WithLossCell(make_mlp(), nn.CrossEntropyLoss(weight=Tensor(_WEIGHT)))   # noqa: E731
     messages = _token_mean_warnings(lambda: GradAccumulationCell(loss_net(), K))
     assert len(messages) == 1
@@ -329,7 +335,9 @@ def test_tokens_token_mean_loss_without_per_token_loss_is_warned_with_the_fix():
     net = make_mlp()
     opt = make_optimizer("sgd", net.trainable_params())
     assert len(_token_mean_warnings(lambda: AccumulatingTrainOneStepCell(
-        nn.WithLossCell(net, nn.NLLLoss()), opt, 2))) == 1
+        nn.WithLossCell(net, nn.NLLLoss(weight=Tensor(_WEIGHT))), opt, 2))) == 1
+    # Without class weights it depends on the labels: decided on the first step (the tests below), not here.
+    assert not _token_mean_warnings(lambda: AccumulatingTrainOneStepCell(nn.WithLossCell(net, nn.NLLLoss()), opt, 2))
     # Declared either way, or nothing split: no warning.
     assert not _token_mean_warnings(lambda: GradAccumulationCell(loss_net(), K, per_token_loss=False))
     assert not _token_mean_warnings(lambda: GradAccumulationCell(loss_net(), 1))
@@ -341,6 +349,120 @@ def test_tokens_token_mean_loss_without_per_token_loss_is_warned_with_the_fix():
     # An adapted loss beside one that is not: the other one is still named.
     both = nn.SequentialCell(token_sum_loss(nn.CrossEntropyLoss()), nn.NLLLoss())
     assert token_mean_cells(both) == ["1 (NLLLoss: mean over the labels that are not ignore_index=-100)"]
+
+
+def _tutorial_network():
+    """MindSpore's distributed gradient-accumulation tutorial's network, as the sample has it (784-512-512-10)."""
+    from train import Network   # sample_code/distributed_gradient_accumulation, on sys.path through launch
+    net = Network()
+    for param in net.trainable_params():   # the same weights for every build
+        param.set_data(Tensor(np.random.RandomState(len(param.name)).uniform(-0.05, 0.05, param.shape)
+                              .astype(np.float32)))
+    return net
+
+
+def _tutorial_batches(steps=2, batch=32, ignored=()):
+    rng = np.random.RandomState(3)
+    batches = []
+    for _ in range(steps):
+        x = rng.rand(batch, 1, 28, 28).astype(np.float32)
+        y = rng.randint(0, 10, batch).astype(np.int32)
+        y[list(ignored)] = -100
+        batches.append((x, y))
+    return batches
+
+
+def _tutorial_run(loss_fn, batches, cell, **kwargs):
+    """Warnings and error of the tutorial's training network on `batches`, and the weights it trained."""
+    net = _tutorial_network()
+    loss_net = nn.WithLossCell(net, loss_fn)
+    optimizer = nn.SGD(net.trainable_params(), 0.05)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        if cell == "GradAccumulationCell":
+            step = nn.TrainOneStepCell(GradAccumulationCell(loss_net, K, **kwargs), optimizer)
+        elif cell == "AccumulatingTrainOneStepCell":
+            step = AccumulatingTrainOneStepCell(loss_net, optimizer, 1, micro_size=K, **kwargs)
+        else:
+            step = nn.TrainOneStepCell(loss_net, optimizer)
+        try:
+            train_steps(step, batches)
+            error = None
+        except ValueError as caught:
+            error = str(caught)
+    messages = [str(w.message) for w in record if "the loss averages over valid tokens" in str(w.message)]
+    return messages, error, params_of(net)
+
+
+@pytest.mark.parametrize("cell", ["GradAccumulationCell", "AccumulatingTrainOneStepCell"])
+@pytest.mark.parametrize("loss_fn", [lambda: nn.CrossEntropyLoss(), lambda: _NLLOfLogits(),
+                                     lambda: nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")],
+                         ids=["CrossEntropyLoss", "NLLLoss", "SoftmaxCrossEntropyWithLogits"])
+def test_tokens_tutorial_loss_one_label_per_row_is_not_warned_and_exact(cell, loss_fn):
+    # The tutorial's GradAccumulationCell(nn.WithLossCell(net, nn.CrossEntropyLoss()), 4): one label per row, none
+    # ignored, no class weights: the mean over labels is a mean over rows, so the update is exact; nothing is said.
+    batches = _tutorial_batches()
+    messages, error, actual = _tutorial_run(loss_fn(), batches, cell)
+    assert not messages and error is None, (messages, error)
+    _, _, expected = _tutorial_run(loss_fn(), batches, "full batch")
+    assert_params_moved(expected, params_of(_tutorial_network()))
+    assert_params_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+class _NLLOfLogits(nn.Cell):
+    """``nn.NLLLoss`` on the log-probabilities of logits (its own cell, so the watch finds it as the loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nll = nn.NLLLoss()
+
+    def construct(self, logits, labels):
+        return self.nll(ops.log_softmax(logits, -1), labels)
+
+
+@pytest.mark.parametrize("cell", ["GradAccumulationCell", "AccumulatingTrainOneStepCell"])
+def test_tokens_tutorial_loss_with_ignored_labels_is_warned_or_stopped(cell):
+    # The same loss where the update can differ: ignored labels in the batch (here in the last micro-batch, which the
+    # first step's loss check does not see), the warning names them and the fix. Control: the run really differs
+    # from the full batch, so the warning is not a false alarm.
+    batches = _tutorial_batches(ignored=(28, 29, 30))
+    messages, error, actual = _tutorial_run(nn.CrossEntropyLoss(), batches, cell)
+    assert error is None, error
+    assert len(messages) == 1 and "3 of 32 labels are ignore_index on the first step" in messages[0], messages
+    assert "token_sum_loss" in messages[0] and "per_token_loss=True" in messages[0]
+    _, _, expected = _tutorial_run(nn.CrossEntropyLoss(), batches, "full batch")
+    assert max_abs_diff(actual, expected) > 1e-4
+    # Ignored labels where the first step's check sees them (the first two micro-batches): warned, and the check
+    # stops before any update (with the same fix).
+    messages, error, _ = _tutorial_run(nn.CrossEntropyLoss(), _tutorial_batches(ignored=range(0, 6)), cell)
+    assert len(messages) == 1 and "6 of 32 labels are ignore_index" in messages[0], messages
+    assert error is not None and "per_token_loss=True" in error, error
+    # Declared: nothing said.
+    messages, _, _ = _tutorial_run(nn.CrossEntropyLoss(), batches, cell, per_token_loss=False)
+    assert not messages
+
+
+def test_tokens_sequence_labels_are_warned_on_the_first_step():
+    # Several labels per row (a sequence, as a language model's): padding is the rule there, so the watch warns even
+    # when the first batch has no ignored label. Control: the same loss on one label per row is silent.
+    class SequenceLoss(nn.Cell):
+        def __init__(self, net):
+            super().__init__()
+            self.net, self.loss = net, nn.CrossEntropyLoss()
+
+        def construct(self, x, y):   # (B, T, F), (B, T): the loss sees (B * T, C) logits and B * T labels
+            return self.loss(self.net(x.reshape(-1, x.shape[-1])), y.reshape(-1))
+
+    rng = np.random.RandomState(0)
+    x = Tensor(rng.randn(16, 5, 16).astype(np.float32))
+    y = Tensor(rng.randint(0, 4, (16, 5)).astype(np.int32))
+    net = make_mlp()
+    step = nn.TrainOneStepCell(GradAccumulationCell(SequenceLoss(net), K), make_optimizer("sgd", net.trainable_params()))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        step(x, y)
+    messages = [str(w.message) for w in record if "the loss averages over valid tokens" in str(w.message)]
+    assert len(messages) == 1 and "5 labels per row" in messages[0], messages
 
 
 @pytest.mark.parametrize("loss_fn, error, message", [

@@ -24,12 +24,14 @@ import mindspore.dataset as ds
 from mindspore import nn
 from mindspore.communication import get_group_size, get_rank, init
 from mindspore.dataset import transforms, vision
-from mindspore.train import LossMonitor, Model
+from mindspore.train import Model
 
-from ms_gradaccum import GradAccumulationCell, check_equivalence
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, check_equivalence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from builtin_digits import FILES, ensure_digits_mnist  # noqa: E402  (sits next to this script)
+from checkpoints import (AlignedLossMonitor, EpochAndStepCheckpoint, StartAt, newest_common, rank_folder,  # noqa: E402
+                         remove_checkpoints, valid_checkpoints)
 
 PARALLEL_MODES = {
     "stand_alone": ms.ParallelMode.STAND_ALONE,
@@ -60,14 +62,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--check-steps", type=int, default=3, help="optimizer steps the check runs")
     parser.add_argument("--check-network", default="mlp", choices=["mlp", "batchnorm"],
                         help="the network the check runs; 'batchnorm' adds a BatchNorm1d (it must FAIL)")
+    parser.add_argument("--accumulate-steps", type=int, default=1,
+                        help="batches per optimizer step (AccumulatingTrainOneStepCell, each epoch's last window "
+                             "closed); 1: GradAccumulationCell, the tutorial's")
+    parser.add_argument("--save-dir", default=os.path.join(os.environ.get("LOG_DIR", "log_output"), "checkpoints"),
+                        help="checkpoints go to SAVE_DIR/rank_<N>/ (default: $LOG_DIR/checkpoints, run.sh's log folder)")
+    parser.add_argument("--save-steps", type=int, default=0,
+                        help="save a checkpoint every this many steps as well as at the end of every epoch (0: epochs "
+                             "only)")
+    parser.add_argument("--keep-checkpoints", type=int, default=3, help="how many checkpoints each rank keeps")
+    parser.add_argument("--no-save", action="store_true", help="save no checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint every rank completed (same data order, same "
+                             "result as a run never stopped); with none there, start from the beginning, saying so")
     parser.add_argument("--validate-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "micro_size", "check_steps"):
+    for name in ("epochs", "batch_size", "micro_size", "check_steps", "accumulate_steps", "keep_checkpoints"):
         if getattr(args, name) < 1:
             parser.error(f"argument --{name.replace('_', '-')}: must be a positive integer, but got {getattr(args, name)}")
     if args.micro_size > args.batch_size:
         parser.error(f"argument --micro-size: must be at most --batch-size ({args.batch_size}) so that every "
                      f"micro-batch holds at least one sample, but got {args.micro_size}")
+    if args.save_steps < 0:
+        parser.error(f"argument --save-steps: must be 0 (epochs only) or a positive integer, but got {args.save_steps}")
+    if args.resume and args.no_save:
+        parser.error("argument --resume: not allowed with --no-save (a resumed run that saves nothing cannot be "
+                     "resumed again); drop one of them")
     if args.loss_every is not None and args.loss_every < 1:
         parser.error(f"argument --loss-every: must be a positive integer, but got {args.loss_every}")
     if args.data_path:
@@ -201,6 +221,35 @@ def run_check(args, data_path: str, rank: int, group: int) -> int:
     return 0 if report else 1
 
 
+def prepare_checkpoints(args, model: Model, rank: int, group: int, steps: int) -> int:
+    """The global step training starts after: with --resume, that of the newest checkpoint every rank completed,
+    loaded into the train network (0 when there is none, said so); else 0, this rank's old checkpoints removed."""
+    folder = rank_folder(args.save_dir, rank)
+    say = lambda text: print(f"[rank {rank}] {text}", flush=True)   # noqa: E731
+    if not args.resume:
+        removed = remove_checkpoints(folder)
+        if removed:
+            say(f"starting from the beginning: removed {removed} checkpoint(s) of an earlier run from {folder} "
+                f"(--resume continues from them)")
+        return 0
+    names = [param.name for param in model.train_network.get_parameters()]
+    valid = valid_checkpoints(folder, names, say)
+    step = newest_common(list(valid), group, args.keep_checkpoints)
+    if step is None:
+        say(f"--resume: no checkpoint that every rank completed in {args.save_dir}: starting from the beginning")
+        remove_checkpoints(folder)
+        return 0
+    path, params = valid[step]
+    not_loaded, _ = ms.load_param_into_net(model.train_network, params, strict_load=True)
+    if not_loaded:
+        raise RuntimeError(f"[rank {rank}] --resume: {path} does not hold {', '.join(not_loaded)}")
+    removed = remove_checkpoints(folder, after=step)   # this rank's steps past what every rank completed
+    epoch, in_epoch = divmod(step, steps)
+    say(f"resumed from {path}: global step {step} (epoch {epoch + 1 if in_epoch else epoch}, step "
+        f"{in_epoch or steps} of {steps}){f'; removed {removed} newer checkpoint(s) not every rank completed' if removed else ''}")
+    return step
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.validate_only:
@@ -222,17 +271,31 @@ def main(argv=None) -> int:
     net = Network()
     loss_fn = nn.CrossEntropyLoss()
     optimizer = nn.SGD(net.trainable_params(), args.lr)
-    # per_token_loss=False declares the loss a plain mean over rows: nn.CrossEntropyLoss averages over the labels that
-    # are not ignore_index, and every image here has exactly one label (the cell warns where that is not declared).
-    model = Model(GradAccumulationCell(nn.WithLossCell(net, loss_fn), args.micro_size, per_token_loss=False),
-                  optimizer=optimizer)
+    steps = train_set.get_dataset_size()
+    if args.accumulate_steps == 1:
+        model = Model(GradAccumulationCell(nn.WithLossCell(net, loss_fn), args.micro_size), optimizer=optimizer)
+    else:   # windows of several batches; each epoch's last window is closed, however many batches it has
+        model = Model(AccumulatingTrainOneStepCell(nn.WithLossCell(net, loss_fn), optimizer, args.accumulate_steps,
+                                                   micro_size=args.micro_size, steps_per_epoch=steps))
     last = _LastLoss()
-    print(f"[rank {rank}] mode {mode}, {group} rank(s), data {data_path}, {train_set.get_dataset_size()} steps "
-          f"per epoch of batch {args.batch_size} = {split_description(args.batch_size, args.micro_size)}{left_out}",
-          flush=True)
+    window = f", {args.accumulate_steps} batches per optimizer step" if args.accumulate_steps > 1 else ""
+    print(f"[rank {rank}] mode {mode}, {group} rank(s), data {data_path}, {steps} steps "
+          f"per epoch of batch {args.batch_size} = {split_description(args.batch_size, args.micro_size)}{window}"
+          f"{left_out}", flush=True)
+    start = 0 if args.no_save else prepare_checkpoints(args, model, rank, group, steps)
     # Every run logs loss lines, however few steps an epoch has (8 ranks on the built-in data: 5 per epoch).
-    loss_every = args.loss_every or max(1, min(100, train_set.get_dataset_size()))
-    model.train(args.epochs, train_set, callbacks=[LossMonitor(loss_every), last], dataset_sink_mode=False)
+    loss_every = args.loss_every or max(1, min(100, steps))
+    callbacks = [StartAt(start), AlignedLossMonitor(loss_every), last]
+    if not args.no_save:
+        callbacks.append(EpochAndStepCheckpoint(rank_folder(args.save_dir, rank), steps, args.save_steps,
+                                                args.keep_checkpoints))
+    if start < args.epochs * steps:
+        train_set.set_init_step(start)   # MindSpore replays each epoch's shuffle up to there: the same data order
+        model.train(args.epochs, train_set, callbacks=callbacks, dataset_sink_mode=False,
+                    initial_epoch=start // steps)
+    else:
+        print(f"[rank {rank}] the checkpoint is the end of training ({args.epochs} epochs): nothing left to train",
+              flush=True)
 
     test_acc, test_images = accuracy(net, create_dataset(data_path, "test", 100, 0, 1, training=False))
     print(f"[rank {rank}] final loss {last.loss:.6f} test accuracy {test_acc:.4f} ({test_images} images)",
