@@ -6,6 +6,7 @@
 #   bash run.sh 2              # 2 workers
 #   bash run.sh 1 --epochs 2   # arguments after N go to train.py
 #   bash run.sh --check        # the equivalence check instead of training (8 workers): exit 0 on PASS
+#   bash run.sh 2 --resume     # continue a stopped job from its newest checkpoint (LOG_DIR/checkpoints)
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=8118 bash run.sh 8   # on each node: 16 workers
 #
 # Python: the active python3 (or $PYTHON) when it has a MindSpore that ms_gradaccum supports (and scikit-learn for
@@ -20,6 +21,9 @@
 # with NNODES > 1); N is the number of workers on this node. HOSTFILE: passed to mpirun (--hostfile),
 # which then starts all NNODES x N workers from node 0.
 # Logs, whichever launcher runs: LOG_DIR/1/rank.<N>/stdout (the layout of the MindSpore tutorial's mpirun).
+# Checkpoints: LOG_DIR/checkpoints/rank_<N>/ (every epoch; --save-steps S: every S steps too; --no-save: none).
+# A new run clears LOG_DIR; with --resume its checkpoints are kept and training continues from the newest one that
+# every rank completed, with the data order and result of a run never stopped.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -67,10 +71,15 @@ case "$launcher" in
   *) fail_usage "LAUNCHER must be 'mpirun', 'msrun' or 'cluster', but got '$launcher'." ;;
 esac
 checking=0
-for arg in "$@"; do [ "$arg" = "--check" ] && checking=1; done
+resuming=0
+for arg in "$@"; do
+  [ "$arg" = "--check" ] && checking=1
+  [ "$arg" = "--resume" ] && resuming=1
+done
 device_target="${DEVICE_TARGET:-CPU}"
 run_timeout="${RUN_TIMEOUT:-1800}"
 log_dir="${LOG_DIR:-log_output}"
+case "$log_dir" in /*) checkpoint_dir="$log_dir/checkpoints" ;; *) checkpoint_dir="$PWD/$log_dir/checkpoints" ;; esac
 script="sample_code/distributed_gradient_accumulation/train.py"
 
 # 1. The Python to run with. The package's own import refuses a MindSpore outside its range, so "it imports" is
@@ -123,7 +132,12 @@ if [ "$launcher" = mpirun ] && [ "$nnodes" -gt 1 ]; then
   [ "$node_rank" -eq 0 ] || fail_usage "with LAUNCHER=mpirun, start run.sh on node 0 only (NODE_RANK=0), not on node $node_rank."
   workers=$total
 fi
-rm -rf "$log_dir"
+if [ "$resuming" -eq 1 ]; then
+  # Keep the checkpoints to resume from; the logs are those of this run.
+  find "$log_dir" -mindepth 1 -maxdepth 1 ! -name checkpoints -exec rm -rf {} + 2>/dev/null || true
+else
+  rm -rf "$log_dir"
+fi
 mkdir -p "$log_dir"
 # One layout for every launcher: LOG_DIR/1/rank.<N>/stdout (mpirun's --output-filename writes it itself).
 rank_log() { echo "$log_dir/1/rank.$1/stdout"; }
@@ -143,13 +157,13 @@ case "$launcher" in
     timeout --kill-after=10 "$run_timeout" msrun --worker_num="$total" --local_worker_num="$workers" \
       --node_rank="$node_rank" --master_addr="$master_addr" --master_port="$port" --log_dir="$log_dir/msrun" \
       --join=True --cluster_time_out=60 \
-      "$script" --device-target "$device_target" "$@" >"$log_dir/msrun.log" 2>&1 || status=$?
+      "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/msrun.log" 2>&1 || status=$?
     ;;
   mpirun)
     # MindSpore's collectives on CPU do not come up under plain mpirun: each rank joins MindSpore's own
     # dynamic cluster instead, through the variables below, with one extra scheduler process.
     export MS_WORKER_NUM="$total" MS_SCHED_HOST="$master_addr" MS_SCHED_PORT="$port"
-    MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" "$@" >"$log_dir/scheduler.log" 2>&1 &
+    MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/scheduler.log" 2>&1 &
     scheduler=$!
     hostfile=()
     [ -n "${HOSTFILE:-}" ] && hostfile=(--hostfile "$HOSTFILE")
@@ -157,7 +171,7 @@ case "$launcher" in
       "${hostfile[@]}" --output-filename "$log_dir" --merge-stderr-to-stdout \
       -x MS_WORKER_NUM -x MS_SCHED_HOST -x MS_SCHED_PORT -x DATA_PATH -x GLOG_v -x MS_NODE_TIMEOUT \
       bash -c 'export MS_ROLE=MS_WORKER MS_NODE_ID="$OMPI_COMM_WORLD_RANK" RANK_ID="$OMPI_COMM_WORLD_RANK"; exec "$0" "$@"' \
-      "$python" "$script" --device-target "$device_target" "$@" >"$log_dir/mpirun.log" 2>&1 || status=$?
+      "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/mpirun.log" 2>&1 || status=$?
     if [ "$status" -ne 0 ]; then kill "$scheduler" 2>/dev/null || true; fi
     wait "$scheduler" 2>/dev/null || true
     ;;
@@ -168,13 +182,13 @@ case "$launcher" in
     export MS_WORKER_NUM="$total" MS_SCHED_HOST="$master_addr" MS_SCHED_PORT="$port"
     pids=()
     if [ "$node_rank" -eq 0 ]; then
-      MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" "$@" >"$log_dir/scheduler.log" 2>&1 &
+      MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/scheduler.log" 2>&1 &
       pids+=($!)
     fi
     for ((i = 0; i < workers; i++)); do
       rank=$((first_rank + i))
       MS_ROLE=MS_WORKER MS_NODE_ID="$rank" RANK_ID="$rank" \
-        "$python" "$script" --device-target "$device_target" "$@" >"$(rank_log "$rank")" 2>&1 &
+        "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$(rank_log "$rank")" 2>&1 &
       pids+=($!)
     done
     deadline=$((SECONDS + run_timeout))
@@ -227,6 +241,10 @@ if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
       if [ -f "$log" ]; then tail -n 25 "$log" >&2; else echo "(no log file)" >&2; fi
     fi
   done
+  if [ "$checking" -eq 0 ] && ls "$log_dir"/checkpoints/rank_*/*.ckpt >/dev/null 2>&1; then
+    echo "run.sh: checkpoints are kept in $log_dir/checkpoints/; continue from the newest with the same command" \
+         "and --resume (bash run.sh $workers ${*:+$* }--resume)." >&2
+  fi
   [ "$status" -ne 0 ] && exit "$status"
   exit 1
 fi

@@ -89,6 +89,70 @@ def test_run_sh_killed_rank_fails_fast_with_its_log(tmp_path, launcher):
     assert not _processes_with_env(marker, 0), "rank 0 was left running"
 
 
+def _final_line(log) -> tuple:
+    found = re.search(r"final loss ([0-9.]+) test accuracy ([0-9.]+)", log.read_text(errors="replace"))
+    assert found, log.read_text(errors="replace")[-2000:]
+    return float(found.group(1)), float(found.group(2))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's process through /proc")
+def test_run_sh_killed_job_resumes_and_ends_as_the_uninterrupted_run(tmp_path):
+    # 2 ranks, 4 epochs of 23 steps, windows of 3 batches (AccumulatingTrainOneStepCell), a checkpoint every 5 steps.
+    # One job runs through; another has rank 1 killed (SIGKILL) in epoch 2 and is resumed with --resume: the same final
+    # weights on every rank (optimizer state and accumulation buffers included) and the same final lines.
+    require_ranks(2)
+    import mindspore as ms   # pylint: disable=import-outside-toplevel
+    import numpy as np       # pylint: disable=import-outside-toplevel
+    args = ["2", "--epochs", "4", "--save-steps", "5", "--accumulate-steps", "3", "--loss-every", "1"]
+    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), *args], env=_run_sh_env(tmp_path, "whole"),
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    marker = uuid.uuid4().hex
+    log_dir = tmp_path / "stopped"
+    job = subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), *args], cwd=REPO,
+                           env=_run_sh_env(tmp_path, "stopped", MS_GRADACCUM_TEST_RUN=marker),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        worker_1 = log_dir / "1" / "rank.1" / "stdout"
+        _wait_for(lambda: worker_1.exists() and "epoch: 2 step: 5," in worker_1.read_text(errors="replace"), 240,
+                  "rank 1 to reach epoch 2")
+        pids = _processes_with_env(marker, 1)
+        assert len(pids) == 1, f"expected one rank-1 process, found {pids}"
+        os.kill(pids[0], 9)
+        killed_at = time.monotonic()
+        output, _ = job.communicate(timeout=90)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode != 0 and "run.sh: FAILED" in output, output[-3000:]
+    assert "final loss" not in worker_1.read_text(errors="replace"), "rank 1 finished before it was killed"
+    assert f"continue from the newest with the same command and --resume (bash run.sh {' '.join(args)} --resume)" \
+        in output, output[-3000:]
+    resumed = subprocess.run(["bash", os.path.join(REPO, "run.sh"), *args, "--resume"],
+                             env=_run_sh_env(tmp_path, "stopped"), cwd=REPO, capture_output=True, text=True,
+                             timeout=300, check=False)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    steps = {}
+    for rank in (0, 1):
+        log = log_dir / "1" / f"rank.{rank}" / "stdout"
+        found = re.search(r"resumed from \S+: global step (\d+) \(epoch (\d+), step (\d+) of 23\)",
+                          log.read_text(errors="replace"))
+        assert found, log.read_text(errors="replace")[-2000:]
+        steps[rank] = int(found.group(1))
+        assert abs(np.subtract(_final_line(log), _final_line(tmp_path / "whole" / "1" / f"rank.{rank}" / "stdout"))
+                   ).max() <= 1e-6
+        final, reference = (ms.load_checkpoint(str(folder / "checkpoints" / f"rank_{rank}" / "train-4_23.ckpt"))
+                            for folder in (log_dir, tmp_path / "whole"))
+        assert sorted(final) == sorted(reference)
+        worst = max(float(np.abs(final[name].asnumpy() - reference[name].asnumpy()).max()) for name in reference)
+        assert worst <= 1e-6, f"rank {rank}: the resumed run's final weights differ from the whole run's by {worst:g}"
+    assert steps[0] == steps[1] and 23 < steps[0] < 92, steps   # one checkpoint for both ranks, in the killed epoch
+    print(f"killed rank 1 at epoch 2 step 5 or later; run.sh ended {ended_after:.1f}s after the kill; resumed from "
+          f"global step {steps[0]} of 92")
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_run_sh_help_prints_its_usage_and_the_samples_options_once(flag):
     done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "4", flag], capture_output=True, text=True, timeout=120, check=False,

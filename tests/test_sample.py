@@ -5,6 +5,8 @@ import struct
 import subprocess
 import sys
 
+import pytest
+
 from launch import REPO, repo_env, suite_device
 
 SAMPLE = os.path.join(REPO, "sample_code", "distributed_gradient_accumulation")
@@ -33,7 +35,7 @@ def test_sample_builtin_dataset_is_written_once_in_idx_format(tmp_path):
 
 
 def _sample(tmp_path, *args):
-    env = repo_env(XDG_CACHE_HOME=str(tmp_path), GLOG_v="3")
+    env = repo_env(XDG_CACHE_HOME=str(tmp_path), GLOG_v="3", LOG_DIR=str(tmp_path / "logs"))   # checkpoints there
     env.pop("DATA_PATH", None)
     done = subprocess.run([sys.executable, os.path.join(SAMPLE, "train.py"), "--device-target", suite_device(), *args],
                           env=env, capture_output=True, text=True, timeout=300, check=False)
@@ -79,7 +81,6 @@ def test_sample_semi_auto_batches_are_what_the_parallel_pass_accepts(tmp_path):
     # Semi-auto cannot run on CPU: this checks what the sample would hand the cell there. Its batches drop the short
     # last one, and each rank's batch passes the check GradAccumulationCell runs when the graph compiles (MindSpore
     # shows the graph every rank's rows together: rows x ranks).
-    import pytest   # pylint: disable=import-outside-toplevel
     import train    # pylint: disable=import-outside-toplevel
     from ms_gradaccum._parallel import check_parallel_pass_batch   # pylint: disable=import-outside-toplevel
     path = ensure_digits_mnist(str(tmp_path / "digits"))
@@ -100,3 +101,100 @@ def test_sample_semi_auto_batches_are_what_the_parallel_pass_accepts(tmp_path):
     assert last == 29
     with pytest.raises(ValueError, match=r"holds 29 rows\. Batch the dataset with drop_remainder=True"):
         check_parallel_pass_batch(((last, 1, 28, 28), (last,)), (1,), micro_size, "semi_auto_parallel")
+
+
+# --- checkpoints and --resume (stand-alone; 2 ranks killed and resumed: test_run_sh) -------------------------------
+
+RUN = ("--epochs", "2", "--max-steps", "5", "--save-steps", "2", "--keep-checkpoints", "10", "--loss-every", "1")
+
+
+def _final(output: str) -> tuple:
+    found = re.search(r"final loss ([0-9.]+) test accuracy ([0-9.]+)", output)
+    assert found, output[-3000:]
+    return float(found.group(1)), float(found.group(2))
+
+
+def _loss_lines(output: str) -> dict:
+    return {(int(e), int(s)): float(v) for e, s, v in re.findall(r"epoch: (\d+) step: (\d+), loss is ([0-9.e-]+)",
+                                                                 output)}
+
+
+def _same_final(actual: str, expected: str) -> bool:
+    return all(abs(a - b) <= 1e-6 for a, b in zip(_final(actual), _final(expected)))
+
+
+def _weights(path: str) -> dict:
+    import mindspore as ms   # pylint: disable=import-outside-toplevel
+    return {name: value.asnumpy() for name, value in ms.load_checkpoint(path).items()}
+
+
+def _assert_same_weights(actual: str, expected: str, tolerance: float = 1e-6) -> None:
+    import numpy as np   # pylint: disable=import-outside-toplevel
+    a, b = _weights(actual), _weights(expected)
+    assert sorted(a) == sorted(b)
+    worst = max(float(np.max(np.abs(a[name].astype(np.float64) - b[name]))) for name in b)
+    assert worst <= tolerance, f"{actual} differs from {expected} by {worst:g}"
+
+
+def _stopped_copy(source, target, last_step: int) -> None:
+    """`target` holds what a run stopped after global step `last_step` would have left: the checkpoints up to it."""
+    import shutil   # pylint: disable=import-outside-toplevel
+    os.makedirs(target)
+    for name in os.listdir(source):
+        found = re.match(r"train-(\d+)_(\d+)\.ckpt$", name)
+        if found and (int(found.group(1)) - 1) * 5 + int(found.group(2)) <= last_step:
+            shutil.copy(os.path.join(source, name), os.path.join(target, name))
+
+
+@pytest.mark.parametrize("accumulate_steps", ["1", "3"])
+def test_sample_resume_mid_epoch_ends_as_the_uninterrupted_run(tmp_path, accumulate_steps):
+    # 2 epochs of 5 steps, checkpoints every 2 steps and at each epoch's end. Stopped after global step 6 (epoch 2,
+    # step 1; with windows of 3 batches (3 + 2 per epoch), inside the first window of epoch 2), resumed: the same
+    # loss lines from there on, the same final line, the same final weights (optimizer state and buffers too).
+    args = RUN + ("--accumulate-steps", accumulate_steps)
+    status, reference = _sample(tmp_path / "a", *args)
+    assert status == 0, reference[-3000:]
+    folder = tmp_path / "a" / "logs" / "checkpoints" / "rank_0"
+    assert sorted(os.listdir(folder)) == ["train-1_2.ckpt", "train-1_4.ckpt", "train-1_5.ckpt", "train-2_1.ckpt",
+                                          "train-2_3.ckpt", "train-2_5.ckpt", "train-graph.meta"]
+    _stopped_copy(folder, tmp_path / "b" / "logs" / "checkpoints" / "rank_0", 6)
+    status, resumed = _sample(tmp_path / "b", *args, "--resume")
+    assert status == 0, resumed[-3000:]
+    assert re.search(r"resumed from \S+train-2_1\.ckpt: global step 6 \(epoch 2, step 1 of 5\)", resumed), resumed
+    lines = _loss_lines(resumed)
+    assert sorted(lines) == [(2, 2), (2, 3), (2, 4), (2, 5)], lines   # nothing before the checkpoint is trained again
+    expected = _loss_lines(reference)
+    assert all(abs(lines[key] - expected[key]) <= 1e-6 for key in lines), (lines, expected)
+    assert _same_final(resumed, reference)
+    _assert_same_weights(str(tmp_path / "b" / "logs" / "checkpoints" / "rank_0" / "train-2_5.ckpt"),
+                         str(folder / "train-2_5.ckpt"))
+    # Control: the checkpoint resumed from is not the end state (the resumed run trained).
+    import numpy as np   # pylint: disable=import-outside-toplevel
+    start, end = _weights(str(folder / "train-2_1.ckpt")), _weights(str(folder / "train-2_5.ckpt"))
+    assert max(float(np.max(np.abs(start[name] - end[name]))) for name in end if "layers" in name) > 1e-4
+
+
+def test_sample_resume_skips_a_damaged_checkpoint_and_says_when_there_is_none(tmp_path):
+    status, reference = _sample(tmp_path / "a", *RUN)
+    assert status == 0, reference[-3000:]
+    folder = tmp_path / "a" / "logs" / "checkpoints" / "rank_0"
+    target = tmp_path / "b" / "logs" / "checkpoints" / "rank_0"
+    _stopped_copy(folder, target, 6)
+    damaged = target / "train-2_1.ckpt"
+    damaged.write_bytes(damaged.read_bytes()[:-100])   # a write cut short
+    status, resumed = _sample(tmp_path / "b", *RUN, "--resume")
+    assert status == 0, resumed[-3000:]
+    assert f"skipping checkpoint {damaged}: it cannot be read" in resumed, resumed
+    assert "resumed from" in resumed and "train-1_5.ckpt: global step 5 (epoch 1, step 5 of 5)" in resumed, resumed
+    assert _same_final(resumed, reference)
+    _assert_same_weights(str(target / "train-2_5.ckpt"), str(folder / "train-2_5.ckpt"))
+    # Nothing to resume: said, and training starts from the beginning (the same run as without --resume).
+    status, fresh = _sample(tmp_path / "c", *RUN, "--resume")
+    assert status == 0, fresh[-3000:]
+    assert re.search(r"--resume: no checkpoint that every rank completed in \S+: starting from the beginning", fresh)
+    assert (1, 1) in _loss_lines(fresh) and _same_final(fresh, reference)
+    # --no-save: no checkpoint at all; and it cannot be combined with --resume.
+    status, output = _sample(tmp_path / "d", *RUN, "--no-save")
+    assert status == 0 and not (tmp_path / "d" / "logs" / "checkpoints").exists(), output[-3000:]
+    status, output = _sample(tmp_path / "d", *RUN, "--no-save", "--resume")
+    assert status == 2 and "argument --resume: not allowed with --no-save" in output, output[-3000:]
