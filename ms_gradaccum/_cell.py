@@ -94,9 +94,10 @@ class GradAccumulationCell(PrecisionNeutral):
     r"""
     Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
 
-    Unlike :class:`mindspore.nn.GradAccumulationCell`, which only accumulates under semi-auto/auto parallel
-    (elsewhere ``Model`` routes it into a wrapper whose optimizer reads buffers nobody writes, so it silently
-    trains nothing), this cell computes the accumulated gradient itself: each batch is split along axis 0
+    Unlike :class:`mindspore.nn.GradAccumulationCell`, which under ``Model`` trains only in semi-auto/auto parallel
+    (MindSpore's parallel pass accumulates; on one process too, with ``AutoParallel(...).hsdp()``'s parallel
+    optimizer) and in stand-alone or data-parallel mode silently trains nothing (``Model`` routes it into a wrapper
+    whose optimizer reads buffers nobody writes), this cell computes the accumulated gradient itself: each batch is split along axis 0
     into ``micro_size`` micro-batches inside the compiled graph; each runs forward and backward once, in turn;
     their gradients are summed, and the wrapping ``nn.TrainOneStepCell`` (built by you or by ``Model``) sees
     exactly the mean gradient, so the optimizer steps once per batch with the full-batch update.
@@ -193,7 +194,9 @@ class GradAccumulationCell(PrecisionNeutral):
         RuntimeError: At graph compile time, under data parallel without ``mindspore.communication.init()``.
 
     Supported Platforms:
-        ``CPU``
+        ``CPU`` ``GPU``: CPU stand-alone and data parallel in CI; GPU once on one H100 (stand-alone, data parallel over
+        NCCL, semi-auto parallel with the parallel optimizer on one rank). Ascend, and semi-auto parallel on several
+        cards, were not run (``bash run.sh N --check`` there first).
 
     Examples:
         >>> import numpy as np

@@ -125,7 +125,8 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         RuntimeError: At graph compile time, under data parallel without ``mindspore.communication.init()``.
 
     Supported Platforms:
-        ``CPU``
+        ``CPU``: stand-alone and data parallel, in CI. GPU and Ascend were not run since its GPU fixes (the suite ran
+        once on one H100 before them); ``bash run.sh N --check`` there first.
 
     Examples:
         >>> import numpy as np

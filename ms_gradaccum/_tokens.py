@@ -182,7 +182,7 @@ def token_sum_loss(loss_fn: nn.Cell) -> nn.Cell:
         ValueError: If its reduction is not ``'mean'`` (a sum or per-token loss needs no count).
 
     Supported Platforms:
-        ``CPU``
+        ``CPU``: in CI. Not run on GPU or Ascend.
 
     Examples:
         >>> from mindspore import nn

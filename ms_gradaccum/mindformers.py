@@ -142,7 +142,7 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
             `calculate_per_token_loss`.
 
     Supported Platforms:
-        ``CPU``
+        ``CPU``: MindFormers 2.1.0's ``Trainer`` in CI, stand-alone and data parallel. Not run on Ascend or GPU.
     """
 
     buffer_prefix = BUFFER_PREFIX
