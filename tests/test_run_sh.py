@@ -160,6 +160,7 @@ def test_run_sh_help_prints_its_usage_and_the_samples_options_once(flag):
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("The main job: train the sample") == 1           # run.sh's own usage
     assert done.stdout.count("--micro-size MICRO_SIZE") == 1                   # the sample's options, once
+    assert "bash run.sh 2 --resume" in done.stdout and "--save-steps SAVE_STEPS" in done.stdout   # checkpoints
     assert "worker(s) on" not in done.stdout and "FAILED" not in done.stdout   # nothing launched
 
 
