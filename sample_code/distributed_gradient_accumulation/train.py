@@ -298,7 +298,8 @@ def main(argv=None) -> int:
               flush=True)
 
     test_acc, test_images = accuracy(net, create_dataset(data_path, "test", 100, 0, 1, training=False))
-    print(f"[rank {rank}] final loss {last.loss:.6f} test accuracy {test_acc:.4f} ({test_images} images)",
+    loss = f"{last.loss:.6f}" if start < args.epochs * steps else "none (no step left to train)"
+    print(f"[rank {rank}] final loss {loss} test accuracy {test_acc:.4f} ({test_images} images)",
           flush=True)
     return 0
 
