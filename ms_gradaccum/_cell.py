@@ -19,8 +19,8 @@ from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._tokens import LabelWatch, warn_token_mean
 from ms_gradaccum._validation import (check_bool, check_cell, check_has_parameters, check_input_indices,
-                                      check_min_count, check_positive_int, check_reduction, no_trained_weights_error,
-                                      warn_batch_norm)
+                                      check_min_count, check_positive_int, check_reduction, check_weights,
+                                      no_trained_weights_error, warn_batch_norm)
 
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
@@ -102,10 +102,12 @@ class GradAccumulationCell(PrecisionNeutral):
     their gradients are summed, and the wrapping ``nn.TrainOneStepCell`` (built by you or by ``Model``) sees
     exactly the mean gradient, so the optimizer steps once per batch with the full-batch update.
 
-    Which weights: those the wrapping train cell differentiates (its optimizer's parameters); without a train cell
-    around it, the ``weights`` given to ``mindspore.value_and_grad``/``grad`` (also inside an ``ms.jit`` train step
-    that uses grad functions by name); else those with ``requires_grad=True``. Read when the graph compiles, so
-    freezing or unfreezing after the cell is built is followed. Only those weights get a buffer.
+    Which weights: `weights` when given (nothing is then inferred). Otherwise found when the graph compiles: those
+    the wrapping train cell differentiates (its optimizer's parameters); without a train cell around it, the
+    ``weights`` given to ``mindspore.value_and_grad``/``grad`` (also inside an ``ms.jit`` train step that uses grad
+    functions by name); else those with ``requires_grad=True``, so freezing or unfreezing after the cell is built is
+    followed. A grad function reached in another way (an object's attribute) is not found: pass `weights` there.
+    Only those weights get a buffer.
 
     How it plugs into an unmodified ``nn.TrainOneStepCell``: each micro-batch's gradient is added, in place
     and as soon as the backward pass produces it, into one buffer per weight, ``accu_grads.<weight>`` (float32
@@ -171,6 +173,10 @@ class GradAccumulationCell(PrecisionNeutral):
         shared_inputs (Union[int, tuple[int]]): Indices of the inputs that every micro-batch receives whole instead of
             split, e.g. position ids of shape ``(1, T)`` shared by the batch. None, Python numbers and 0-d Tensors
             are always passed whole. Not supported under semi-auto/auto parallel. Default: ``()``.
+        weights (Union[None, list[Parameter], tuple[Parameter]]): The weights whose gradients are accumulated, e.g.
+            ``optimizer.parameters`` (as optax's ``MultiSteps`` takes the params): each a Parameter of `network`,
+            once. Under a train cell whose optimizer updates a weight of the network not in `weights`, the graph
+            refuses to compile. Default: ``None``: found when the graph compiles (see above).
 
     Inputs:
         - **\*inputs** (Tensor) - The inputs of `network`. Tensors are split along axis 0 (all with the same batch
@@ -183,8 +189,10 @@ class GradAccumulationCell(PrecisionNeutral):
 
     Raises:
         TypeError: If `network` is not a Cell, `micro_size` is not an int (bool included), `per_token_loss` is not
-            a bool, or `loss_scale` is not None, a number or a scalar Tensor.
-        ValueError: If `micro_size` < 1, `loss_scale` is not positive and finite, or `network` has no parameter.
+            a bool, `loss_scale` is not None, a number or a scalar Tensor, or `weights` is not None or a list/tuple of
+            Parameters.
+        ValueError: If `micro_size` < 1, `loss_scale` is not positive and finite, `network` has no parameter, or
+            `weights` is empty, names a Parameter twice or one `network` does not hold.
         ValueError: At graph compile time, if no weight of `network` is trained, the wrapping train cell changes
             its loss scale while training (``nn.TrainOneStepWithLossScaleCell`` with a
             ``DynamicLossScaleUpdateCell``; the message gives the fix), an input has no batch axis or an empty one,
@@ -215,11 +223,13 @@ class GradAccumulationCell(PrecisionNeutral):
     """
 
     def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: Optional[bool] = None,
-                 shared_inputs: tuple = (), reduction: str = "mean", min_count: float = 0.0, check_loss: bool = True):
+                 shared_inputs: tuple = (), reduction: str = "mean", min_count: float = 0.0, check_loss: bool = True,
+                 weights=None):
         declared = per_token_loss is not None or reduction != "mean"
         micro_size, per_token_loss, shared_inputs, reduction, min_count = validate_arguments(
             network, micro_size, per_token_loss, shared_inputs, reduction, min_count)
         check_loss = check_bool(check_loss, "check_loss", _NAME)
+        weights = check_weights(weights, network, _NAME)
         scale = _loss_scale.for_grad_accumulation_cell(loss_scale, self, network, _NAME)
         if parallel_mode() in PARALLEL_PASS_MODES:
             check_parallel_pass_arguments(loss_scale is not None, per_token_loss, shared_inputs, reduction)
@@ -238,6 +248,7 @@ class GradAccumulationCell(PrecisionNeutral):
         self.shared_inputs = shared_inputs
         self.explicit_loss_scale = loss_scale is not None
         self.loss_scale = scale
+        object.__setattr__(self, "_explicit_weights", weights)   # a plain tuple: the weights stay the network's
         self.gradient_buffers = GradientBuffers()
         self.engine = MicroBatchGradients(network, micro_size, per_token_loss, overwrite=True,
                                           targets=self._targets, cls_name=_NAME, shared_inputs=shared_inputs,
@@ -272,6 +283,8 @@ class GradAccumulationCell(PrecisionNeutral):
                 f"Model(...) and model.train(...).")
         if not self._trained_weights():
             raise no_trained_weights_error(_NAME, self.network)
+        if self._explicit_weights is not None:
+            self._check_explicit_weights()
         if compiling_graph():
             check_bprops(self.network, self.micro_size)
         self._resolve()
@@ -293,9 +306,28 @@ class GradAccumulationCell(PrecisionNeutral):
         cell and when the graph compiles, so it follows ``set_auto_parallel_context`` and ``AutoParallel`` alike."""
         return parallel_mode() in PARALLEL_PASS_MODES
 
+    def _check_explicit_weights(self) -> None:
+        """Refuses `weights` that leave out a weight of the network the wrapping optimizer updates: it would be handed
+        a zero gradient (and still be moved by momentum or weight decay)."""
+        optimizer = enclosing_optimizer(self)
+        if optimizer is None:
+            return
+        given = {id(weight) for weight in self._explicit_weights}
+        owned = {id(param) for param in self.network.get_parameters()}
+        left_out = [param.name for param in optimizer.parameters if id(param) in owned and id(param) not in given]
+        if left_out:
+            raise ValueError(
+                f"For '{_NAME}', the argument 'weights' must hold every weight of the network that the wrapping "
+                f"optimizer updates, but it leaves out {', '.join(left_out[:5])}{', ...' if len(left_out) > 5 else ''}"
+                f" ({len(left_out)} in all), which would get a zero gradient. Pass weights=optimizer.parameters, or "
+                f"build the optimizer over the weights you pass.")
+
     def _trained_weights(self) -> list:
-        """The weights the wrapping train cell differentiates (its optimizer's); without one, the ``weights`` of the
-        ``mindspore.value_and_grad``/``grad`` call differentiating this cell; else those with ``requires_grad=True``."""
+        """`weights` when given. Otherwise the weights the wrapping train cell differentiates (its optimizer's);
+        without one, the ``weights`` of the ``mindspore.value_and_grad``/``grad`` call differentiating this cell; else
+        those with ``requires_grad=True``."""
+        if self._explicit_weights is not None:
+            return list(self._explicit_weights)
         optimizer = enclosing_optimizer(self)
         differentiated = optimizer.parameters if optimizer is not None else differentiated_weights()
         if differentiated is None:

@@ -5,10 +5,10 @@ Every message reads like MindSpore's own:
 """
 import numbers
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
-from mindspore import nn, ops, Tensor
+from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 
@@ -117,6 +117,35 @@ def check_min_count(value: Any, per_token_loss: bool, cls_name: str) -> float:
         raise ValueError(argument_error(cls_name, "min_count", expected + " with per_token_loss=True", value,
                                         "It floors the count a (loss_sum, count) network returns; a mean has none."))
     return float(value)
+
+
+def check_weights(value: Any, network: nn.Cell, cls_name: str) -> Optional[tuple]:
+    """``None``, or `value` as a tuple of distinct Parameters that `network` holds (a list, tuple or ParameterTuple)."""
+    if value is None:
+        return None
+    expected = "None or a list/tuple of the network's Parameters, e.g. optimizer.parameters"
+    if isinstance(value, Parameter) or not isinstance(value, (list, tuple)):
+        raise TypeError(argument_error(cls_name, "weights", expected, value))
+    weights = tuple(value)
+    if not weights:
+        raise ValueError(argument_error(cls_name, "weights", expected + ", at least one", value,
+                                        "With no weight there is nothing to accumulate."))
+    owned = {id(param) for param in network.get_parameters()}
+    seen = set()
+    for index, weight in enumerate(weights):
+        if not isinstance(weight, Parameter):
+            raise TypeError(f"For '{cls_name}', every item of the argument 'weights' must be a Parameter of the "
+                            f"network, but item {index} is {describe(weight)}.")
+        if id(weight) not in owned:
+            raise ValueError(f"For '{cls_name}', every item of the argument 'weights' must be a Parameter of the "
+                             f"network, but item {index}, {weight.name!r}, is not one of {type(network).__name__}'s "
+                             f"parameters. Pass weights of the network this cell wraps (e.g. net.trainable_params() "
+                             f"or the optimizer's parameters).")
+        if id(weight) in seen:
+            raise ValueError(f"For '{cls_name}', the argument 'weights' must name each Parameter once, but "
+                             f"{weight.name!r} (item {index}) appears twice.")
+        seen.add(id(weight))
+    return weights
 
 
 def check_has_parameters(network: nn.Cell, arg_name: str, cls_name: str) -> None:

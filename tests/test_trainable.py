@@ -234,3 +234,98 @@ def test_trainable_functional_weights_are_followed_including_frozen_ones(style, 
         control = _functional_with_frozen_in_weights(lambda loss_net: GradAccumulationCell(loss_net, K), style)
         with pytest.raises(AssertionError, match="differs from the reference"):
             assert_params_close(control, expected, **TOLERANCE)
+
+
+# --- weights=: given, not found ----------------------------------------------------------------------------------
+
+class _Trainer:
+    """Holds its grad function as an attribute, used inside an ms.jit step: a grad function reached this way is not
+    found by the discovery of the differentiated weights (it follows names, not attributes)."""
+
+    def __init__(self, loss_net, weights):
+        self.grad_fn = ms.value_and_grad(loss_net, None, weights)
+
+
+def _functional_through_an_attribute(wrap):
+    """The functional style, the optimizer over get_parameters() with the first layer frozen (requires_grad=False) yet
+    differentiated (graph mode does), the grad function reached through an object's attribute."""
+    net = make_mlp()
+    _set_first_layer(net, False)
+    opt = make_optimizer("momentum", net.get_parameters())
+    trainer = _Trainer(wrap(nn.WithLossCell(net, ce()), opt), opt.parameters)
+
+    @ms.jit
+    def train_step(x, y):
+        return trainer.grad_fn(x, y)
+
+    for x, y in classification_batches(STEPS, BATCH):
+        _, grads = train_step(Tensor(x), Tensor(y))
+        opt(grads)
+    return _all_params(net)
+
+
+def test_trainable_weights_given_are_accumulated_where_discovery_cannot_see_them():
+    expected = _functional_through_an_attribute(lambda loss_net, opt: loss_net)
+    initial = _all_params(make_mlp())
+    assert max_abs_diff({n: expected[n] for n in FIRST}, {n: initial[n] for n in FIRST}) > 1e-3
+    actual = _functional_through_an_attribute(
+        lambda loss_net, opt: GradAccumulationCell(loss_net, K, weights=opt.parameters))
+    assert_params_close(actual, expected, **TOLERANCE)
+    # Negative control: without weights=, the discovery falls back to the requires_grad=True weights and the frozen
+    # (but differentiated) first layer gets no accumulated gradient: another model.
+    control = _functional_through_an_attribute(lambda loss_net, opt: GradAccumulationCell(loss_net, K))
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(control, expected, **TOLERANCE)
+
+
+def test_trainable_weights_given_with_a_frozen_subset_train_like_the_full_batch():
+    # An optimizer over the last two layers only, weights= the same: the first layer stays as it was, the others
+    # train exactly like the plain full batch.
+    def run(wrap):
+        net = make_mlp()
+        trained = [param for param in net.trainable_params() if param.name not in FIRST]
+        opt = make_optimizer("adam", trained)
+        train_steps(nn.TrainOneStepCell(wrap(nn.WithLossCell(net, ce()), trained), opt),
+                    classification_batches(STEPS, BATCH))
+        return _all_params(net)
+
+    expected = run(lambda loss_net, trained: loss_net)
+    actual = run(lambda loss_net, trained: GradAccumulationCell(loss_net, K, weights=trained))
+    assert_params_close(actual, expected, **TOLERANCE)
+    initial = _all_params(make_mlp())
+    assert_params_equal({n: actual[n] for n in FIRST}, {n: initial[n] for n in FIRST})
+    assert max_abs_diff(actual, initial) > 1e-3
+
+
+def test_trainable_weights_leaving_out_what_the_optimizer_updates_are_refused():
+    net = make_mlp()
+    opt = make_optimizer("sgd", net.trainable_params())
+    cell = GradAccumulationCell(nn.WithLossCell(net, ce()), K, weights=net.trainable_params()[2:])
+    x, y = classification_batches(1, BATCH)[0]
+    with pytest.raises(ValueError, match=r"the argument 'weights' must hold every weight of the network that the "
+                                         r"wrapping optimizer updates, but it leaves out 0\.weight, 0\.bias \(2 in all\)"):
+        nn.TrainOneStepCell(cell, opt)(Tensor(x), Tensor(y))
+
+
+_OTHER = make_mlp(seed=5)
+
+
+@pytest.mark.parametrize("weights, error, message", [
+    ("all", TypeError, r"the argument 'weights' must be None or a list/tuple of the network's Parameters, e.g. "
+                       r"optimizer.parameters, but got 'all' \(str\)"),
+    ("one", TypeError, r"the argument 'weights' must be None or a list/tuple .* but got Parameter"),
+    ("empty", ValueError, r"the argument 'weights' must be .*, at least one, but got \[\] \(list\)\. With no weight"),
+    ("tensor", TypeError, r"every item of the argument 'weights' must be a Parameter of the network, but item 1 is "
+                          r"Tensor"),
+    ("foreign", ValueError, r"every item of the argument 'weights' must be a Parameter of the network, but item 0, "
+                            r"'0\.weight', is not one of WithLossCell's parameters"),
+    ("twice", ValueError, r"the argument 'weights' must name each Parameter once, but '0\.weight' \(item 2\) appears "
+                          r"twice"),
+])
+def test_trainable_weights_bad_input_rejected(weights, error, message):
+    net = make_mlp()
+    params = net.trainable_params()
+    given = {"all": "all", "one": params[0], "empty": [], "tensor": [params[0], Tensor(np.zeros(2, np.float32))],
+             "foreign": _OTHER.trainable_params()[:1], "twice": [params[0], params[1], params[0]]}[weights]
+    with pytest.raises(error, match=message):
+        GradAccumulationCell(nn.WithLossCell(net, ce()), K, weights=given)
