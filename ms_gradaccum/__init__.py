@@ -1,5 +1,5 @@
 """Gradient accumulation for MindSpore that trains the full-batch update on micro-batch memory."""
-from ms_gradaccum import _internals  # noqa: F401  (first: refuses a MindSpore outside the supported range)
+from ms_gradaccum import _mindspore  # noqa: F401  (first: refuses a MindSpore outside the supported range)
 from ms_gradaccum._cell import GradAccumulationCell as GradAccumulationCell
 from ms_gradaccum._check import EquivalenceReport as EquivalenceReport
 from ms_gradaccum._check import check_equivalence as check_equivalence

@@ -27,7 +27,9 @@ import numpy as np
 from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._internals import AUGMENTED_ASSIGNMENT_IN_PLACE, ZEROS_LIKE
+from ms_gradaccum._mindspore.cells import own_parameters
+from ms_gradaccum._mindspore.patches import ZEROS_LIKE
+from ms_gradaccum._mindspore.version import AUGMENTED_ASSIGNMENT_IN_PLACE
 from ms_gradaccum._microbatch import plan
 
 GRAD_PREFIX = "accu_grads"
@@ -75,14 +77,15 @@ class GradientBuffers(nn.Cell):
 
     def for_weights(self, weights: Sequence[Parameter]) -> ParameterTuple:
         keys = [f"{self.prefix}.{weight.name}" for weight in weights]
+        params = own_parameters(self)
         for key, weight in zip(keys, weights):
-            buffer = self._params.get(key)
+            buffer = params.get(key)
             if buffer is None or buffer.shape != weight.shape or buffer.dtype != buffer_dtype(weight):
                 self.insert_param_to_cell(key, Parameter(Tensor(np.zeros(weight.shape), buffer_dtype(weight)),
                                                          name=key, requires_grad=False), check_name_contain_dot=False)
-        for key in [key for key in self._params if key not in keys]:
-            del self._params[key]
-        return ParameterTuple([self._params[key] for key in keys])
+        for key in [key for key in params if key not in keys]:
+            del params[key]
+        return ParameterTuple([params[key] for key in keys])
 
 
 def state_scalar(name: str, value, dtype=mstype.int32) -> Parameter:
@@ -137,7 +140,7 @@ def divide_in_place(buffers, divisor):
     """Each buffer / `divisor` (a scalar Tensor), in the buffer's dtype, written into the buffer; returns the buffers.
 
     In graph mode ``/=`` on a Parameter divides in place (InplaceDiv), so the mean costs no memory; where MindSpore
-    does not (2.7, see _internals) each buffer is assigned its quotient, one after another. MindSpore drops the
+    does not (2.7, see _mindspore.version) each buffer is assigned its quotient, one after another. MindSpore drops the
     divisions when nothing reads the quotients: make what follows depend on them.
     """
     return _HYPER_MAP(ops.partial(_divide, divisor), buffers)

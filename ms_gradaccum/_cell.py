@@ -9,11 +9,12 @@ from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._contract import prepared_for
 from ms_gradaccum._engine import MicroBatchGradients
-from ms_gradaccum._internals import (PARALLEL_PASS_MODES, ROUTED_NAMES, ZEROS_LIKE, CompileChecks,
-                                     TrainGradAccuStepCell, bprops_calling_zeros_like, compile_time, compiling_graph,
-                                     separate_autodiff_zeros_like,
-                                     differentiated_weights, enclosing_loss_wrapper, enclosing_optimizer,
-                                     enclosing_train_cell, parallel_mode, primexpr, run_compile_checks)
+from ms_gradaccum._mindspore.graph import (CompileChecks, compile_time, compiling_graph, primexpr,
+                                           run_compile_checks)
+from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE, bprops_calling_zeros_like
+from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES, ROUTED_NAMES, TrainGradAccuStepCell, parallel_mode
+from ms_gradaccum._mindspore.surroundings import (differentiated_weights, enclosing_loss_wrapper, enclosing_optimizer,
+                                                  enclosing_train_cell)
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
@@ -46,9 +47,9 @@ def check_loss_inside(cell: nn.Cell) -> None:
 
 def check_bprops(network: nn.Cell, micro_size: int) -> None:
     """When a graph compiles: give autodiff a zeros_like of its own, so that custom bprops calling
-    ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside this cell's nested gradient (see _internals,
-    9.); where MindSpore is laid out otherwise, refuse a network with such a bprop, naming the cells."""
-    if separate_autodiff_zeros_like():
+    ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside this cell's nested gradient (see
+    _mindspore.patches); where MindSpore is laid out otherwise, refuse a network with such a bprop, naming the cells."""
+    if AUTODIFF_ZEROS_LIKE.install():
         return
     cells = bprops_calling_zeros_like(network)
     if cells:
@@ -264,7 +265,7 @@ class GradAccumulationCell(PrecisionNeutral):
         self.compile_checks = CompileChecks(self)
 
     def check_at_compile(self) -> None:
-        """What is checked when the graph compiles (and at every call in PyNative mode): see _internals.CompileChecks."""
+        """What is checked when the graph compiles (and at every call in PyNative mode): see _mindspore.graph.CompileChecks."""
         check_data_parallel_ready(_NAME)
         check_loss_inside(self)
         wrapper = enclosing_train_cell(self)
@@ -292,7 +293,7 @@ class GradAccumulationCell(PrecisionNeutral):
 
     @property
     def cls_name(self) -> str:
-        # mindspore.train.amp._is_grad_accumulation reads cls_name when Model builds its train cell (see _internals):
+        # mindspore.train.amp._is_grad_accumulation reads cls_name when Model builds its train cell (see _mindspore.routing):
         # a routed name gets MindSpore's _TrainGradAccuStepCell, which only the semi-auto/auto-parallel pass feeds.
         # So the routed name only in those modes (in force then, whether set globally or by AutoParallel).
         if self.parallel_pass:

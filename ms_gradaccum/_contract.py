@@ -19,7 +19,7 @@ mismatch (a ratio outside [1/1.5, 1.5]) stops. What it cannot see: a loss that b
 
 The batch is reached where a cell is called from Python: the package cells themselves (called, or compiled as the
 outermost graph: the graph executor's compile is entered on every call, with the call's inputs, see
-_internals.around_compile), and the train cells that hand their inputs unchanged to the package cell
+_mindspore.patches.GRAPH_COMPILE), and the train cells that hand their inputs unchanged to the package cell
 (``nn.TrainOneStepCell``, ``nn.TrainOneStepWithLossScaleCell``: what Model builds). Elsewhere (a train cell of one's own,
 a ``jit`` function, dataset sink mode, dynamic-shape inputs) and where the network does not run eagerly, the graph runs
 the pass itself: one forward copy of the network more in the graph, and its compile time (measured in the benchmark).
@@ -33,7 +33,8 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._internals import compile_time, eager_mode, parallel_mode, primexpr
+from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
+from ms_gradaccum._mindspore.routing import parallel_mode
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import assemble, check_loss_output, input_kinds, partition, plan, plan_inputs
 from ms_gradaccum._reduce import Unsaved
@@ -197,7 +198,7 @@ class ContractCheck(PrecisionNeutral):
             watch = self.labels.watching(rows, split) if self.labels is not None else contextlib.nullcontext()
             with eager_mode(), _moving_statistics_kept(network), watch:
                 out = network(*assemble(tuple(x[:rows] for x in split), shared, constants, layout))
-            value = _value_and_count(out, self.owner_name, self.per_token_loss) if pair else None
+            value = _value_and_count(out, self.owner_name, self.per_token_loss)   # read: PyNative runs asynchronously
         except Exception:  # pylint: disable=broad-except
             # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with
             # its own message. The graph runs the pass (and raises what it has to).

@@ -23,8 +23,9 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._buffers import add_gradients, clear
 from ms_gradaccum import _contract
 from ms_gradaccum._contract import ContractCheck
-from ms_gradaccum._internals import (ZEROS_LIKE, around_compile, compile_time, install_micro_batch_context,
-                                     primexpr)
+from ms_gradaccum import _errors
+from ms_gradaccum._mindspore.graph import compile_time, primexpr
+from ms_gradaccum._mindspore.patches import GRAPH_COMPILE, ZEROS_LIKE
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._validation import readable
 from ms_gradaccum._microbatch import (assemble, check_loss_output, input_kinds, input_names, micro_batch,
@@ -135,8 +136,12 @@ class MicroBatchGradients(PrecisionNeutral):
                  targets: Callable, cls_name: str, shared_inputs: tuple = (), sum_over_rows: bool = False,
                  check_loss: bool = True, labels=None):
         super().__init__(auto_prefix=False)
-        install_micro_batch_context()   # errors the network raises on a micro-batch say so (_internals 11.)
-        around_compile(_contract.around_compile)   # the loss contract's eager pass (_contract)
+        # Around every graph compile: the mark _errors reads, then the loss contract's eager pass (_contract); errors
+        # the network raises on a micro-batch say so (_errors).
+        GRAPH_COMPILE.around(_errors.around_compile)
+        GRAPH_COMPILE.around(_contract.around_compile)
+        GRAPH_COMPILE.decorate_errors(_errors.micro_batch_context)
+        GRAPH_COMPILE.install()
         self.sum_over_rows = sum_over_rows
         self.scaled_loss = ScaledLoss(network, per_token_loss, cls_name)
         self.contract = ContractCheck(self.scaled_loss, network, micro_size, per_token_loss, sum_over_rows,
@@ -164,7 +169,9 @@ class MicroBatchGradients(PrecisionNeutral):
 
     @compile_time
     def buffers(self):
-        """Their ``accu_grads`` buffers."""
+        """Their ``accu_grads`` buffers. Read when this graph is built, which marks the compile under way as one that
+        runs the network on micro-batches (_errors)."""
+        _errors.note_engine(self)
         return self._targets()[1]
 
     def _value_and_grads(self, micro, factor):

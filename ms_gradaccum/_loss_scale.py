@@ -24,14 +24,15 @@ import numpy as np
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._internals import applied_sens, compile_time, enclosing_train_cell
+from ms_gradaccum._mindspore.cells import PRECISION_FLAGS
+from ms_gradaccum._mindspore.graph import compile_time
+from ms_gradaccum._mindspore.surroundings import applied_sens, enclosing_train_cell
 from ms_gradaccum._validation import argument_error, computes_in_float16
 
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)
 _SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
                                    "nn.FixedLossScaleUpdateCell",
                    "loss_scale": "None, a positive finite float, or a scalar Tensor or Parameter"}
-_PRECISION_FLAGS = ("fp16", "fp32", "bf16")
 
 
 class PrecisionNeutral(nn.Cell):
@@ -43,7 +44,7 @@ class PrecisionNeutral(nn.Cell):
     """
 
     def add_flags_recursive(self, **flags):
-        self.add_flags(**{key: value for key, value in flags.items() if key not in _PRECISION_FLAGS})
+        self.add_flags(**{key: value for key, value in flags.items() if key not in PRECISION_FLAGS})
         for cell in self.cells():
             cell.add_flags_recursive(**flags)
         return self
@@ -91,7 +92,7 @@ class LossScale(PrecisionNeutral):
         object.__setattr__(self, "_warned", False)
 
     def check(self) -> None:
-        """Raises what is wrong with the scale, and warns, when the owner's graph compiles (see _internals)."""
+        """Raises what is wrong with the scale, and warns, when the owner's graph compiles (see _mindspore.graph.CompileChecks)."""
 
     def warn_if_float16(self) -> None:
         """One UserWarning per cell when its network computes in float16 and no scale reaches its backward passes."""

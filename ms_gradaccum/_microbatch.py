@@ -2,7 +2,7 @@
 
 A batch of any size is split into ``micro_size`` micro-batches as even as possible (sizes differing by at most
 one); the caller weights each by its true number of rows. The checks run at graph-compile time on static shapes
-(:func:`~ms_gradaccum._internals.primexpr`), so a bad batch fails before any computation, with a message naming the input and its shape.
+(:func:`~ms_gradaccum._mindspore.graph.primexpr`), so a bad batch fails before any computation, with a message naming the input and its shape.
 Rows are never dropped.
 """
 import inspect
@@ -10,7 +10,10 @@ from typing import Tuple
 
 from mindspore import ops, Tensor
 
-from ms_gradaccum._internals import note_micro_batches, primexpr
+from ms_gradaccum._mindspore.graph import primexpr
+
+# The layout of the inputs last split (kinds, names, layout), for errors the network raises (_errors).
+_LAST = {"layout": None}
 
 
 def plan(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
@@ -95,7 +98,7 @@ def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple,
             f"For '{cls_name}', no input can be split into micro_size={micro_size} micro-batches: every input is a "
             f"0-d Tensor, None, a number or declared in shared_inputs={shared_inputs}. At least one input needs a "
             f"batch axis 0.")
-    note_micro_batches(cls_name, micro_size, kinds, names, layout)   # for errors the network raises (_internals 11.)
+    _LAST["layout"] = (kinds, names, layout)   # for errors the network raises on a micro-batch (_errors)
     return layout
 
 
@@ -183,3 +186,12 @@ def micro_batch(split: tuple, i) -> Tuple:
     for x in split:
         micro += (ops.gather(x, i, 0),)
     return micro
+
+
+def last_layout():
+    """``(kinds, names, layout)`` of the inputs :func:`plan_inputs` last planned, or None (see _errors)."""
+    return _LAST["layout"]
+
+
+def forget_layout() -> None:
+    _LAST["layout"] = None

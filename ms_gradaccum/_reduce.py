@@ -15,7 +15,9 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 from mindspore.communication import get_group_size
 
-from ms_gradaccum._internals import communication_initialized, compile_time, parallel_mode, reducer_all_reduces
+from ms_gradaccum._mindspore.graph import compile_time
+from ms_gradaccum._mindspore.routing import communication_initialized, parallel_mode
+from ms_gradaccum._mindspore.surroundings import reducer_all_reduces
 from ms_gradaccum._loss_scale import PrecisionNeutral
 
 

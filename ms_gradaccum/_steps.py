@@ -12,8 +12,9 @@ from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._contract import prepared_for
 from ms_gradaccum._cell import GradAccumulationCell, loss_rows
 from ms_gradaccum._engine import MicroBatchGradients
-from ms_gradaccum._internals import (PARALLEL_PASS_MODES, CompileChecks, enclosing_optimizer, parallel_mode, primexpr,
-                                     run_compile_checks, training_under_model)
+from ms_gradaccum._mindspore.graph import CompileChecks, primexpr, run_compile_checks
+from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES, parallel_mode
+from ms_gradaccum._mindspore.surroundings import enclosing_optimizer, training_under_model
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._tokens import LabelWatch, warn_token_mean
 from ms_gradaccum._validation import (argument_error, check_bool, check_cell, check_has_parameters,
@@ -240,7 +241,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         self.compile_checks = CompileChecks(self)
 
     def check_at_compile(self) -> None:
-        """What is checked when the graph compiles (and at every call in PyNative mode): see _internals.CompileChecks."""
+        """What is checked when the graph compiles (and at every call in PyNative mode): see _mindspore.graph.CompileChecks."""
         check_data_parallel_ready(_NAME)
         if parallel_mode() in PARALLEL_PASS_MODES:
             raise RuntimeError(

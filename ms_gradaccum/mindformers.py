@@ -53,7 +53,7 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
-from ms_gradaccum._internals import PARALLEL_PASS_MODES
+from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
 from ms_gradaccum._validation import argument_error, check_bool, check_input_indices, check_positive_int
 

@@ -1,6 +1,6 @@
 """Networks with cells of their own ``bprop`` (MindFormers' loss cells, straight-through estimators): trained exactly
 like the plain full batch, in graph and PyNative mode, also when a bprop calls mindspore.ops.zeros_like (which MindSpore
-cannot compile nested unless autodiff gets a zeros_like of its own: _internals, 9.); where that cannot be arranged, the
+cannot compile nested unless autodiff gets a zeros_like of its own: ms_gradaccum/_mindspore/patches.py); where that cannot be arranged, the
 cells name the bprops that call it."""
 import os
 import subprocess
@@ -13,7 +13,7 @@ from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
 from ms_gradaccum import _cell
-from ms_gradaccum._internals import bprops_calling_zeros_like
+from ms_gradaccum._mindspore.patches import bprops_calling_zeros_like
 from launch import REPO, repo_env
 from helpers import (assert_params_close, assert_params_moved, classification_batches, make_mlp, make_optimizer,
                      params_of, train_steps, ZerosLikeFunction, ZerosLikeLoss)
@@ -137,7 +137,7 @@ def test_bprop_calling_zeros_like_trains_like_the_full_batch_in_graph_mode(cell,
 
 def test_bprop_calling_zeros_like_refused_where_the_way_around_cannot_be_applied(monkeypatch):
     # A MindSpore laid out otherwise than the versions checked: the cell names the bprops that call the function.
-    monkeypatch.setattr(_cell, "separate_autodiff_zeros_like", lambda: False)
+    monkeypatch.setattr(_cell.AUTODIFF_ZEROS_LIKE, "install", lambda: False)
     batches = classification_batches(3, 32)
     with pytest.raises(RuntimeError, match=r"For 'GradAccumulationCell', the argument 'network' holds cells whose bprop "
                                            r"calls mindspore.ops.zeros_like: log_softmax \(ZerosLikeFunction\)\. .*"

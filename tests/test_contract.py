@@ -365,3 +365,48 @@ def test_contract_other_compile_errors_are_left_as_they_are():
     with pytest.raises(ValueError) as caught:
         step(Tensor(x), Tensor(y))
     assert "micro-batch" not in str(caught.value)
+
+
+class FixedBatchReshape(nn.Cell):
+    """A loss that reshapes the network's output to the batch's rows, written for a batch of 32."""
+
+    def __init__(self, net):
+        super().__init__(auto_prefix=False)
+        self.net, self.loss = net, nn.MSELoss()
+
+    def construct(self, x, y):
+        return self.loss(self.net(x).reshape(32, 4), y)
+
+
+class GraphSyntaxError(nn.Cell):
+    """A loss whose construct graph mode cannot parse (try/except): not an error of the micro-batch."""
+
+    def __init__(self, net):
+        super().__init__(auto_prefix=False)
+        self.net, self.loss = net, ce()
+
+    def construct(self, x, y):
+        try:
+            out = self.net(x)
+        except ValueError:
+            out = x
+        return self.loss(out, y)
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_contract_reshape_errors_on_a_micro_batch_say_where_they_happened_and_syntax_errors_do_not(wrap):
+    # MindSpore's Reshape error names shapes only ({8, 4} vs {32, 4}) and its traceback is cut before the package's
+    # frames: the micro-batch note comes from the package's own mark and an eager run of one micro-batch.
+    net = make_mlp()
+    x, _ = classification_batches(1, 32)[0]
+    y = np.zeros((32, 4), np.float32)
+    with pytest.raises(ValueError) as caught:
+        wrap(check_loss=False)(FixedBatchReshape(net), make_optimizer("sgd", net.trainable_params()))(Tensor(x), Tensor(y))
+    message = str(caught.value)
+    assert "For primitive[Reshape]" in message and "raised by the network running on a micro-batch, not on the " \
+        "whole batch: micro_size=4 splits the batch of 32 rows into micro-batches of 8 rows" in message, message[-800:]
+    # Control: a graph-only syntax error from the network is MindSpore's alone (no fixed-batch hint).
+    x, y = classification_batches(1, 32)[0]
+    with pytest.raises(Exception) as caught:
+        wrap()(GraphSyntaxError(net), make_optimizer("sgd", net.trainable_params()))(Tensor(x), Tensor(y))
+    assert "Try" in str(caught.value) and "micro-batch" not in str(caught.value), str(caught.value)[-800:]

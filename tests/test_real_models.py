@@ -25,7 +25,7 @@ FRACTION = 1e-3   # check_equivalence's tolerance; measured worst: 3.7e-4 (atten
 MOVED = dict(min_change=1e-6)
 MODES = [pytest.param(ms.GRAPH_MODE, id="graph"), pytest.param(ms.PYNATIVE_MODE, id="pynative")]
 # (mode, cell): both cells in graph mode (MindFormers' loss cells have bprops calling mindspore.ops.zeros_like, which
-# GradAccumulationCell's nested gradient compiles through _internals, 9.), GradAccumulationCell in PyNative mode.
+# GradAccumulationCell's nested gradient compiles through ms_gradaccum/_mindspore/patches.py), GradAccumulationCell in PyNative mode.
 WAYS = [pytest.param(ms.GRAPH_MODE, "GradAccumulationCell", id="graph-GradAccumulationCell"),
         pytest.param(ms.GRAPH_MODE, "AccumulatingTrainOneStepCell", id="graph-AccumulatingTrainOneStepCell"),
         pytest.param(ms.PYNATIVE_MODE, "GradAccumulationCell", id="pynative-GradAccumulationCell")]

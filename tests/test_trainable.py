@@ -218,7 +218,7 @@ def _functional_with_frozen_in_weights(wrap, style):
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
 @pytest.mark.parametrize("style", ["cell", "forward_fn", "jit_closure", "jit_global", "jit_helper"])
 def test_trainable_functional_weights_are_followed_including_frozen_ones(style, mode, monkeypatch):
-    # Without a train cell, the weights are those of the value_and_grad call (found on the stack: _internals).
+    # Without a train cell, the weights are those of the value_and_grad call (found on the stack: _mindspore.surroundings).
     ms.set_context(mode=mode)
     expected = _functional_with_frozen_in_weights(lambda loss_net: loss_net, style)
     actual = _functional_with_frozen_in_weights(lambda loss_net: GradAccumulationCell(loss_net, K), style)

@@ -1,0 +1,140 @@
+"""Errors the network raises on a micro-batch say so.
+
+A network built for a fixed batch size (a CTC loss configured with the batch's rows, a ``reshape(16, 3)``) fails inside
+the micro-batch graph with MindSpore's own message, on shapes nothing explains. When a graph fails to compile, the
+package adds the micro-batches' rows, ``micro_size`` and the fix, where two things say the error is the network's on a
+micro-batch:
+
+1. the failed compile split a batch into micro-batches: the engine notes itself when its graph is built (a mark the
+   package owns, cleared at the start of every compile), and
+2. the network, run eagerly (no gradient) on the first micro-batch of the same inputs, fails too; where it runs there
+   but fails on the first two micro-batches together, the error came from the loss contract's check instead. Where
+   the inputs cannot be reached (a train cell of one's own, a ``jit`` function) the engine's call of the network must
+   appear in MindSpore's traceback of the error instead.
+
+Anything else (a graph-only syntax error such as ``Unsupported statement 'Try'``, an error outside the network) passes
+through unchanged. Errors at run time (kernels) and in PyNative mode are left as MindSpore raises them.
+"""
+import contextlib
+import weakref
+from typing import Optional
+
+from mindspore import nn
+
+from ms_gradaccum import _microbatch
+from ms_gradaccum._microbatch import assemble, input_kinds, partition, plan, plan_inputs
+from ms_gradaccum._mindspore.graph import eager_mode
+
+# The engine whose graph the compile under way built, if any (see 1. above).
+_NOTED = {"engine": None}
+# The train cells that hand their inputs unchanged to the package cell: what Model builds (_contract says why).
+_PASS_THROUGH = (nn.TrainOneStepCell, nn.TrainOneStepWithLossScaleCell)
+
+
+def note_engine(engine: nn.Cell) -> None:
+    """Marks the compile under way as one that builds `engine`'s micro-batch graph."""
+    _NOTED["engine"] = weakref.ref(engine)
+
+
+@contextlib.contextmanager
+def around_compile(cell: nn.Cell, args: tuple):   # pylint: disable=unused-argument
+    """Clears the mark at the start of each compile (a graph found cached builds nothing and notes nothing)."""
+    _NOTED["engine"] = None
+    _microbatch.forget_layout()
+    yield
+
+
+def _owner_inputs(cell: nn.Cell, args: tuple, engine: nn.Cell) -> Optional[tuple]:
+    """The package cell's inputs, where the compiled cell is that cell or a pass-through train cell around it."""
+    if type(cell) in _PASS_THROUGH:   # pylint: disable=unidiomatic-typecheck
+        cell = getattr(cell, "network", None)
+    return args if getattr(cell, "engine", None) is engine else None
+
+
+def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: int) -> Optional[bool]:
+    """Whether the network fails eagerly on the first `micro_batches` micro-batches of `inputs`; None where that
+    cannot be tried."""
+    try:
+        layout = plan_inputs(engine.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
+                             engine.micro_size)
+        split, shared, constants = partition(inputs, layout)
+        sizes = [rows for count, rows in plan(split[0].shape[0], engine.micro_size) for _ in range(count)]
+    except Exception:  # pylint: disable=broad-except
+        return None
+    if len(sizes) < micro_batches:
+        return None
+    rows = sum(sizes[:micro_batches])
+    network = engine.scaled_loss.loss_of_inputs.network
+    try:
+        with eager_mode():
+            out = network(*assemble(tuple(x[:rows] for x in split), shared, constants, layout))
+            for item in out if isinstance(out, (tuple, list)) else (out,):
+                if hasattr(item, "asnumpy"):
+                    item.asnumpy()   # PyNative runs asynchronously: an error surfaces when the result is read
+    except Exception:  # pylint: disable=broad-except
+        return True
+    return False
+
+
+def _network_call_in(message: str, engine: nn.Cell) -> bool:
+    """Whether MindSpore's traceback of the error runs through the engine's call of the network: the file and line of
+    that call's own code object (``In file <file>:<line>,``)."""
+    code = type(engine.scaled_loss.loss_of_inputs).construct.__code__
+    return f"{code.co_filename}:{code.co_firstlineno + 1}," in message
+
+
+def micro_batch_context(error: Exception, args: tuple) -> Optional[str]:
+    """What to add to `error`, raised by the graph executor's compile of ``args[0]`` on ``args[1:]``; None when it is
+    not the network's on a micro-batch."""
+    noted = _NOTED["engine"]
+    engine = noted() if noted is not None else None
+    if engine is None or not args:
+        return None
+    inputs = _owner_inputs(args[0], args[1:], engine)
+    if inputs is not None:
+        one = _fails_on(engine, inputs, 1)
+        if one is None:
+            return None
+        if not one:
+            if engine.contract.in_graph and _fails_on(engine, inputs, 2):
+                return _contract_context(engine, inputs)
+            return None
+    elif not _network_call_in(str(error), engine):
+        return None
+    return _loop_context(engine, inputs)
+
+
+def _split_rows(engine: nn.Cell, inputs: Optional[tuple]):
+    kinds, names, layout = _microbatch.last_layout()
+    split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == 0]
+    batch = split[0][1][0]
+    rows = sorted({rows for _, rows in plan(batch, engine.micro_size)}, reverse=True)
+    return split, names, batch, rows
+
+
+def _loop_context(engine: nn.Cell, inputs: Optional[tuple]) -> Optional[str]:
+    if _microbatch.last_layout() is None:
+        return None
+    split, names, batch, rows = _split_rows(engine, inputs)
+    row_text = " and ".join(str(r) for r in rows)
+    shown = ", ".join(f"input {i}{f' ({names[i]!r})' if i < len(names) else ''} {tuple(shape)} -> "
+                      f"{tuple((row_text,) + tuple(shape[1:]))}".replace("'", "") for i, shape in split)
+    return (f"For '{engine.owner_name}', the error above was raised by the network running on a micro-batch, not on "
+            f"the whole batch: micro_size={engine.micro_size} splits the batch of {batch} rows into micro-batches of "
+            f"{row_text} rows ({shown}). A cell built for a fixed batch size (e.g. a CTC loss or a reshape configured "
+            f"with the batch size) must be built for the micro-batch's rows ({row_text}), not the batch's ({batch}); "
+            f"then pass check_loss=False, since the loss contract's check runs two micro-batches together.")
+
+
+def _contract_context(engine: nn.Cell, inputs: tuple) -> Optional[str]:
+    if _microbatch.last_layout() is None:
+        return None
+    _, _, batch, rows = _split_rows(engine, inputs)
+    sizes = sorted((r for count, r in plan(batch, engine.micro_size) for _ in range(count)), reverse=True)
+    return (f"For '{engine.owner_name}', the error above was raised by the network running on the loss contract's "
+            f"check: the first two micro-batches together ({sum(sizes[:2])} rows; micro_size={engine.micro_size} "
+            f"splits the batch of {batch} rows into micro-batches of {' and '.join(str(r) for r in rows)}). A network "
+            f"built for a fixed number of rows cannot be checked that way: pass check_loss=False (and make sure its "
+            f"loss is what the cell is told).")
+
+

@@ -1,0 +1,13 @@
+"""MindSpore's internals, behind named adapters: the only modules of the package that import a private MindSpore name or
+write a private attribute (``tests/test_mindspore_adapters.py`` checks it).
+
+- :mod:`.version`: the supported versions (checked on import) and what differs between them.
+- :mod:`.routing`: how ``Model`` routes a cell by name; the parallel context.
+- :mod:`.graph`: Python run while a graph compiles; eager execution from anywhere.
+- :mod:`.surroundings`: the cells and the gradient call around a cell, found on the stack.
+- :mod:`.patches`: the process-wide changes, each with ``install()`` and ``uninstall()``.
+- :mod:`.cells`: a Cell's own Parameter dict and precision flags.
+"""
+from ms_gradaccum._mindspore import version
+
+version.check_mindspore_version()

@@ -1,0 +1,109 @@
+"""Python that runs while a graph compiles, and switching to eager execution.
+
+``_primexpr`` runs a Python function on constants while the graph compiles (static shapes, constant checks); the
+public ``constexpr`` is deprecated in its favour. The PyNative executor lives in ``mindspore.graph.api`` from 2.9
+(``mindspore.common.api`` before). Checked 2.7.0-2.10.0.
+"""
+import contextlib
+import sys
+import weakref
+
+import mindspore as ms
+from mindspore import nn
+from mindspore.ops.primitive import _primexpr as primexpr
+
+try:
+    from mindspore.graph.api import _pynative_executor as PYNATIVE_EXECUTOR
+except ImportError:   # before 2.9
+    from mindspore.common.api import _pynative_executor as PYNATIVE_EXECUTOR
+
+
+class CompileChecks:
+    """Passed to :func:`run_compile_checks` at the top of a cell's ``construct``: calls ``owner.check_at_compile()``.
+
+    Exceptions raised inside a :class:`compile_time` attribute are swallowed by the graph parser, which reports the
+    attribute as missing ("object has no attribute"); a ``_primexpr`` receives this plain Python object and its
+    exceptions reach the user unchanged. Called first in ``construct``, it runs before the attributes are read.
+    """
+
+    def __init__(self, owner: nn.Cell):
+        self._owner = weakref.ref(owner)
+
+    def run(self) -> None:
+        owner = self._owner()
+        if owner is None:
+            return
+        try:
+            owner.check_at_compile()
+        except Exception:
+            # In PyNative mode the check runs inside the forward pass a train cell is recording for its gradient; an
+            # error left that recording open, and the next training in the process failed with unrelated shape errors
+            # (measured 2.10.0). MindSpore clears it the same way when a jit compile fails (mindspore/graph/api.py).
+            if ms.get_context("mode") == ms.PYNATIVE_MODE:
+                PYNATIVE_EXECUTOR.clear_res()
+            raise
+
+
+@primexpr
+def run_compile_checks(checks: CompileChecks) -> None:
+    """Raises the owner's configuration errors (and warns) when its graph compiles; every call in PyNative mode."""
+    checks.run()
+
+
+class compile_time:  # pylint: disable=invalid-name
+    """A read-only attribute computed by a Python method each time it is read, also while a graph compiles.
+
+    MindSpore's graph parser compiles the body of a ``property`` as graph code (so it cannot call
+    ``trainable_params()`` or walk the call stack), but reads any other descriptor through Python's ``getattr``
+    (checked in 2.10.0). So ``self.x`` in ``construct`` is evaluated in Python when the graph is compiled, and the
+    value (a constant, a Parameter, a ParameterTuple) is what the graph uses: settings made after the cell was
+    built but before training (freezing, a wrapping train cell, the parallel mode) are seen. The method must not
+    raise (the parser would report a missing attribute): errors go through :class:`CompileChecks`.
+    """
+
+    def __init__(self, method):
+        self.method = method
+        self.__doc__ = method.__doc__
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else self.method(obj)
+
+
+def compiling_graph() -> bool:
+    """Whether the caller runs while a graph is being compiled: GRAPH_MODE, or an ``ms.jit`` function being compiled in
+    PyNative mode (the jit wrapper's ``staging_specialize`` frame, see 5.)."""
+    if ms.get_context("mode") == ms.GRAPH_MODE:
+        return True
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        if frame.f_code.co_name == "staging_specialize":
+            return True
+        frame = frame.f_back
+    return False
+
+
+# Running a network eagerly from anywhere.
+# The loss contract's check (_contract) runs the network forward outside any graph, before the first step: from Python
+# in GRAPH_MODE too (before a graph compiles). MindSpore switches modes with set_context(mode=...) at any time (a graph
+# already compiled is kept and runs as before; checked 2.7.0 and 2.10.0); gradient recording is off for the pass (the
+# PyNative executor's set_enable_grad, as mindspore.graph.api._no_grad does; common.api before 2.9), so that a call
+# inside a PyNative train step records nothing.
+@contextlib.contextmanager
+def eager_mode():
+    """PyNative mode without gradient recording, for the duration; the mode and recording are restored after. On an
+    error, what PyNative recorded is cleared (as MindSpore does when a jit compile fails)."""
+    executor = PYNATIVE_EXECUTOR
+    mode = ms.get_context("mode")
+    recording = executor.enable_grad()
+    if mode != ms.PYNATIVE_MODE:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    executor.set_enable_grad(False)
+    try:
+        yield
+    except Exception:
+        executor.clear_res()
+        raise
+    finally:
+        executor.set_enable_grad(recording)
+        if mode != ms.PYNATIVE_MODE:
+            ms.set_context(mode=mode)

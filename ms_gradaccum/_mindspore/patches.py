@@ -1,0 +1,226 @@
+"""The package's changes to MindSpore's process-wide state: each an object with ``install()`` (idempotent) and
+``uninstall()`` (MindSpore's originals back), installed lazily by the cells that need them.
+
+- :data:`AUTODIFF_ZEROS_LIKE`: autodiff's zero gradients get a ``zeros_like`` of their own, so that custom bprops calling
+  ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside the cells' nested gradient.
+- :data:`GRAPH_COMPILE`: the graph executor's ``compile`` is wrapped, to run hooks around each compile (the loss
+  contract's eager pass) and to let the package add context to an error it recognises as its own.
+
+Checked 2.7.0 and 2.10.0.
+"""
+import ast
+import contextlib
+import inspect
+import sys
+import textwrap
+import types
+from typing import Callable, Optional
+
+import mindspore as ms
+from mindspore import nn
+from mindspore import ops as _ops
+from mindspore.ops.composite.multitype_ops import zeros_like_impl
+
+try:
+    from mindspore.graph.api import _cell_graph_executor as CELL_GRAPH_EXECUTOR
+except ImportError:   # before 2.9
+    from mindspore.common.api import _cell_graph_executor as CELL_GRAPH_EXECUTOR
+
+# The package's own graphs make zeros through the primitive, never through the function the patch below separates.
+ZEROS_LIKE = _ops.ZerosLike()
+_ZEROS_LIKE_FUNCTION = _ops.zeros_like
+_AUTODIFF_FUNCTIONAL = "ms_gradaccum._autodiff_functional"
+
+
+class Patch:
+    """One change to MindSpore's process-wide state, with its undo."""
+
+    def install(self) -> bool:
+        """Applies the change once; True when it is in place."""
+        raise NotImplementedError
+
+    def uninstall(self) -> None:
+        """Puts MindSpore's originals back (nothing when not installed)."""
+        raise NotImplementedError
+
+    @property
+    def installed(self) -> bool:
+        raise NotImplementedError
+
+
+# GradAccumulationCell differentiates the network inside a graph that the wrapping train cell differentiates again.
+# MindSpore parses the Python function mindspore.ops.zeros_like (== ops.functional.zeros_like) into one cached graph
+# per function object. Autodiff makes its zero gradients through it: C.zeros_like's Tensor case
+# (ops/composite/multitype_ops/zeros_like_impl.py::_zeros_like_tensor) returns `F.zeros_like(x)`, F being
+# mindspore.ops.functional. When the same function object is also reached from a custom bprop inside the network, the
+# graph parsed from it is used by the inner gradient and then found empty when the outer gradient evaluates it ("The
+# func graph is empty, func graph: ...zeros_like"). The way around: zeros_like_impl's `F` becomes a module of its own,
+# registered in sys.modules under its own name (the parser resolves a function's globals through the module named by
+# its namespace, graph/_parse/parser.py::get_module_namespace; _extends/parse/parser.py in 2.7), holding everything
+# mindspore.ops.functional holds except that its zeros_like is a copy of the same function. Autodiff then parses a
+# graph of its own, the user's bprop keeps the original, and both compute exactly what they did (a plain train cell
+# trains bit-identically before and after). Where MindSpore is laid out otherwise it is not applied, and the cells name
+# the bprops that call the function.
+class AutodiffZerosLike(Patch):
+    """Autodiff's zeros_like, separated from ``mindspore.ops.zeros_like`` (see above)."""
+
+    def __init__(self):
+        self._original = None
+
+    @property
+    def installed(self) -> bool:
+        functional = getattr(zeros_like_impl, "F", None)
+        return isinstance(functional, types.ModuleType) and functional.__name__ == _AUTODIFF_FUNCTIONAL
+
+    def install(self) -> bool:
+        if self.installed:
+            return True
+        functional = getattr(zeros_like_impl, "F", None)
+        if not (isinstance(functional, types.ModuleType) and getattr(functional, "zeros_like", None) is
+                _ZEROS_LIKE_FUNCTION and isinstance(_ZEROS_LIKE_FUNCTION, types.FunctionType)):
+            return False
+        module = types.ModuleType(_AUTODIFF_FUNCTIONAL, functional.__doc__)
+        module.__dict__.update({key: value for key, value in functional.__dict__.items()
+                                if key not in ("__name__", "__spec__")})
+        module.zeros_like = _function_copy(_ZEROS_LIKE_FUNCTION)
+        self._original = functional
+        sys.modules[_AUTODIFF_FUNCTIONAL] = module
+        zeros_like_impl.F = module
+        return True
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            return
+        zeros_like_impl.F = self._original
+        sys.modules.pop(_AUTODIFF_FUNCTIONAL, None)
+        self._original = None
+
+
+def _function_copy(function):
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__dict__.update(function.__dict__)
+    copy.__qualname__, copy.__module__, copy.__doc__ = function.__qualname__, function.__module__, function.__doc__
+    return copy
+
+
+def _closure(function) -> dict:
+    return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())
+            if name != "__class__"}
+
+
+def _resolves_to_zeros_like(node, namespace: dict) -> bool:
+    """Whether a call's function expression (`zeros_like`, `ops.zeros_like`, `F.zeros_like`) is that function."""
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id) is _ZEROS_LIKE_FUNCTION
+    if isinstance(node, ast.Attribute) and node.attr == "zeros_like":
+        base = node.value
+        owner = namespace.get(base.id) if isinstance(base, ast.Name) else None
+        return getattr(owner, "zeros_like", None) is _ZEROS_LIKE_FUNCTION
+    return False
+
+
+def _folded(test, cell) -> Optional[bool]:
+    """The value of an `if` test MindSpore folds when it compiles (a constant, `self.<attribute>`, `not` of those);
+    None when it depends on the inputs."""
+    if isinstance(test, ast.Constant):
+        return bool(test.value)
+    if isinstance(test, ast.Attribute) and isinstance(test.value, ast.Name) and test.value.id == "self" and \
+            not isinstance(getattr(cell, test.attr, None), (ms.Tensor, nn.Cell)):
+        return bool(getattr(cell, test.attr, None))
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _folded(test.operand, cell)
+        return None if inner is None else not inner
+    return None
+
+
+def _calls_zeros_like(function, cell) -> bool:
+    """Whether `function` (a bprop) calls mindspore.ops.zeros_like outside the branches MindSpore folds away."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return False
+    namespace = dict(getattr(function, "__globals__", {}))
+    namespace.update(_closure(function) if getattr(function, "__closure__", None) else {})
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):   # no source: judge by the names the code uses
+        return any(_resolves_to_zeros_like(ast.Name(id=name), namespace) or
+                   getattr(namespace.get(name), "zeros_like", None) is _ZEROS_LIKE_FUNCTION for name in code.co_names)
+
+    def visit(node) -> bool:
+        if isinstance(node, ast.If):
+            taken = _folded(node.test, cell)
+            branches = [node.body, node.orelse] if taken is None else [node.body if taken else node.orelse]
+            return visit(node.test) or any(visit(child) for branch in branches for child in branch)
+        if isinstance(node, ast.Call) and _resolves_to_zeros_like(node.func, namespace):
+            return True
+        return any(visit(child) for child in ast.iter_child_nodes(node))
+    return visit(tree)
+
+
+def bprops_calling_zeros_like(network: nn.Cell) -> list:
+    """``["name (Class)", ...]``: the cells of `network` whose own ``bprop`` calls ``mindspore.ops.zeros_like``."""
+    return [f"{name or 'network'} ({type(cell).__name__})" for name, cell in network.cells_and_names()
+            if _calls_zeros_like(getattr(type(cell), "bprop", None), cell)]
+
+
+
+# Cell.compile compiles through the graph executor's `compile`, an attribute of one module-level object; Cell's
+# compile_and_run calls it on every call, with the call's inputs, before it runs the graph it finds cached.
+class GraphCompile(Patch):
+    """The graph executor's compile, wrapped: the registered hooks are entered around each compile of a cell on its
+    inputs, and an error gets what the registered decorators add to it (their first non-None answer)."""
+
+    def __init__(self):
+        self._original = None
+        self.hooks = []
+        self.decorators = []
+
+    @property
+    def installed(self) -> bool:
+        return self._original is not None and CELL_GRAPH_EXECUTOR.compile is not self._original
+
+    def install(self) -> bool:
+        if self.installed:
+            return True
+        original = CELL_GRAPH_EXECUTOR.compile
+        hooks, decorators = self.hooks, self.decorators
+
+        def compile_with_hooks(*args, **kwargs):
+            try:
+                with contextlib.ExitStack() as around:
+                    for hook in (hooks if args else ()):
+                        around.enter_context(hook(args[0], args[1:]))
+                    return original(*args, **kwargs)
+            except Exception as error:
+                for decorate in decorators:
+                    context = decorate(error, args)
+                    if context is not None and error.args and isinstance(error.args[0], str):
+                        error.args = (f"{error.args[0]}\n\n{context}",) + error.args[1:]
+                        break
+                raise
+
+        self._original = original
+        CELL_GRAPH_EXECUTOR.compile = compile_with_hooks
+        return True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            CELL_GRAPH_EXECUTOR.compile = self._original
+        self._original = None
+
+    def around(self, hook: Callable) -> None:
+        """Enters ``hook(cell, args)`` (a context manager) around each compile; registered once."""
+        if hook not in self.hooks:
+            self.hooks.append(hook)
+
+    def decorate_errors(self, decorator: Callable[[Exception, tuple], Optional[str]]) -> None:
+        """``decorator(error, args)`` returns what to add to a compile error, or None; registered once."""
+        if decorator not in self.decorators:
+            self.decorators.append(decorator)
+
+
+AUTODIFF_ZEROS_LIKE = AutodiffZerosLike()
+GRAPH_COMPILE = GraphCompile()
+PATCHES = (AUTODIFF_ZEROS_LIKE, GRAPH_COMPILE)

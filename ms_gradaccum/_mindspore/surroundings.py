@@ -1,0 +1,193 @@
+"""The cells and the gradient call around a cell: what the package finds when nobody hands it over.
+
+MindSpore keeps no parent pointer, and GraphExecutor does not expose the cell being compiled. The top cell is the
+`self` of Cell.compile's frame (graph mode) or of the constructs being called (PyNative), so the cells around a cell
+are found among the cells of the frames on the stack. A nested ms.jit graph compiles apart, without them: callers
+resolve in their own construct and remember the result. Checked 2.7.0-2.10.0.
+"""
+import sys
+import weakref
+from typing import Optional
+
+import mindspore as ms
+from mindspore import nn
+
+_ENCLOSING_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _distinct(items) -> list:
+    """`items` in order, each object once (by identity: Cells and Parameters may define ``==`` otherwise)."""
+    kept = []
+    for item in items:
+        if all(item is not seen for seen in kept):
+            kept.append(item)
+    return kept
+
+
+def _cells_on_stack() -> list:
+    owners, frame = [], sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Cell):
+            owners.append(owner)
+        frame = frame.f_back
+    return _distinct(owners)
+
+
+def _enclosing_cells(cell: nn.Cell) -> list:
+    """The cells among those being compiled or called whose tree holds `cell` (not `cell` itself), innermost first."""
+    roots = _cells_on_stack()
+    cached = _ENCLOSING_CACHE.get(cell)
+    # The same cells on the stack (by identity, not by a reusable id) give the same answer: reuse it.
+    if cached is not None and len(cached[0]) == len(roots) and all(r() is root for r, root in zip(cached[0], roots)):
+        found = [ref() for ref in cached[1]]
+        if all(c is not None for c in found):
+            return found
+    candidates = _distinct(candidate for root in roots for _, candidate in root.cells_and_names())
+    found = [candidate for candidate in candidates
+             if candidate is not cell and any(sub is cell for _, sub in candidate.cells_and_names())]
+    found.sort(key=lambda c: len(list(c.cells_and_names())))
+    _ENCLOSING_CACHE[cell] = (tuple(weakref.ref(root) for root in roots), tuple(weakref.ref(c) for c in found))
+    return found
+
+
+def enclosing_train_cell(cell: nn.Cell) -> Optional[nn.TrainOneStepCell]:
+    """The innermost ``nn.TrainOneStepCell`` (or subclass: ``Model``'s, the loss-scale cells, this package's)
+    whose tree holds `cell`, among the cells being compiled or called; ``None`` outside any (functional style)."""
+    return next((c for c in _enclosing_cells(cell) if isinstance(c, nn.TrainOneStepCell)), None)
+
+
+def enclosing_loss_wrapper(cell: nn.Cell) -> Optional[nn.Cell]:
+    """The cell around `cell` that computes a loss of its output, holding it as ``_backbone`` (``nn.WithLossCell``, and
+    the one ``Model(network, loss_fn=...)`` builds in mindspore/train/amp.py::_add_loss_network); ``None`` if none."""
+    return next((c for c in _enclosing_cells(cell) if c.__dict__.get("_cells", {}).get("_backbone") is cell), None)
+
+
+def enclosing_optimizer(cell: nn.Cell) -> Optional[nn.Optimizer]:
+    """The optimizer of the innermost cell around `cell` that holds one as ``.optimizer`` (every
+    ``nn.TrainOneStepCell``, and hand-written train cells written as MindSpore's tutorials write them);
+    ``None`` outside any."""
+    for candidate in _enclosing_cells(cell):
+        optimizer = candidate.__dict__.get("optimizer") or candidate._cells.get("optimizer")  # pylint: disable=protected-access
+        if isinstance(optimizer, nn.Optimizer):
+            return optimizer
+    return None
+
+
+# The weights of a mindspore.grad / value_and_grad call (functional style, no train cell). MindSpore's
+# _Grad.__call__ and GradOperation.__call__ (mindspore/ops/composite/base.py) return a closure `after_grad` over `fn`
+# and `weights`. In PyNative mode its frame is on the stack while `fn` runs (`weights` among its locals). In graph mode
+# it is a jit function being compiled: the `func` of the jit wrapper's `staging_specialize` frame, `weights` in its
+# closure. Called inside the user's own jit function (MindSpore's functional recipe, `@ms.jit def train_step`), the
+# grad function is inlined by the parser and leaves no frame: the grad functions are then looked up among the names
+# that jit function uses (its globals and closure) and those of the functions it calls, two levels down, and the
+# union of their weights is taken. A grad function reached otherwise (an object's attribute) is not found; then the
+# requires_grad=True weights are accumulated. Checked 2.7.0 to 2.10.0.
+_GRAD_SOURCE = "ops/composite/base.py"
+
+
+def _is_after_grad_code(code) -> bool:
+    return code.co_name == "after_grad" and code.co_filename.replace("\\", "/").endswith(_GRAD_SOURCE)
+
+
+def _is_after_grad(function) -> bool:
+    code = getattr(function, "__code__", None)
+    return code is not None and _is_after_grad_code(code) and bool(function.__closure__)
+
+
+def _closure(function) -> dict:
+    return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())
+            if name != "__class__"}
+
+
+def _unwrap_jit(function):
+    """The function a ``mindspore.jit`` wrapper compiles (the `func` in its closure), or `function` itself."""
+    if getattr(function, "__wrapped_by_jit__", False) and getattr(function, "__closure__", None):
+        return _closure(function).get("func", function)
+    return function
+
+
+def _weights_of(variables: dict) -> Optional[list]:
+    weights = variables.get("weights")
+    if weights is None:
+        return None
+    weights = [weights] if isinstance(weights, ms.Parameter) else list(weights)
+    return weights if all(isinstance(weight, ms.Parameter) for weight in weights) else None
+
+
+def _grad_functions_used_by(function, depth: int = 2) -> list:
+    """The grad functions (after_grad closures) a user's jit function refers to by name (its globals and closure),
+    and those of the plain functions it refers to, `depth` levels down."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return []
+    used = [getattr(function, "__globals__", {}).get(name) for name in code.co_names]
+    used += list(_closure(function).values())
+    found = []
+    for candidate in map(_unwrap_jit, used):
+        if _is_after_grad(candidate):
+            found.append(candidate)
+        elif depth > 0 and callable(candidate) and not isinstance(candidate, (type, nn.Cell)):
+            found += _grad_functions_used_by(candidate, depth - 1)
+    return _distinct(found)
+
+
+def differentiated_weights() -> Optional[list]:
+    """The ``weights`` of the innermost ``mindspore.grad``/``value_and_grad`` call running or being compiled, as
+    the user passed them (parameters with ``requires_grad=False`` included); ``None`` when there is none, when it
+    has no weights, or when it cannot be found (see above)."""
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        code = frame.f_code
+        if _is_after_grad_code(code):
+            return _weights_of(frame.f_locals)
+        if code.co_name == "staging_specialize":
+            func = frame.f_locals.get("func")
+            if _is_after_grad(func):
+                return _weights_of(_closure(func))
+            # All the weights of every grad function it uses: accumulating more weights than one of them
+            # differentiates costs buffers, never exactness.
+            found = [_weights_of(_closure(grad)) for grad in _grad_functions_used_by(func)]
+            return _distinct(weight for weights in found if weights for weight in weights) or None
+        frame = frame.f_back
+    return None
+
+
+def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
+    """The loss scale `train_cell` applies as the ``sens`` of its backward when it is fixed; ``None`` when it changes
+    while training (a DynamicLossScaleUpdateCell). Reads ``sense_flag``/``sens`` of nn.TrainOneStepCell and
+    ``scale_sense``/``loss_scaling_manager`` of nn.TrainOneStepWithLossScaleCell (attributes, not API)."""
+    manager = getattr(train_cell, "loss_scaling_manager", None)
+    if isinstance(manager, nn.DynamicLossScaleUpdateCell):
+        return None
+    if isinstance(train_cell, nn.TrainOneStepWithLossScaleCell):
+        return float(train_cell.scale_sense.asnumpy().reshape(()))
+    sens = getattr(train_cell, "sens", None)
+    if getattr(train_cell, "sense_flag", False) and isinstance(sens, (int, float)) and not isinstance(sens, bool):
+        return float(sens)
+    return 1.0
+
+
+# nn.DistributedGradReducer's primitives and filter are attributes (allreduce_filter, split_fusion, op_list, allreduce,
+# mean, degree): AccumulatingTrainOneStepCell reuses them to all-reduce its buffers in place with the same collectives.
+def reducer_all_reduces(reducer: nn.DistributedGradReducer) -> tuple:
+    """``(per-weight all-reduce flag, per-weight AllReduce primitive, whether the reducer averages, device count)``."""
+    flags = tuple(reducer.allreduce_filter)
+    if reducer.split_fusion:
+        primitives = tuple(reducer.op_list)
+    else:
+        primitives = (reducer.allreduce,) * len(flags)
+    devices = float(round(1.0 / float(reducer.degree.asnumpy())))
+    return flags, primitives, bool(reducer.mean), devices
+
+
+def training_under_model() -> bool:
+    """Whether the caller runs inside ``mindspore.train.Model.train`` (a frame of ``Model._train`` on the stack, found
+    the way the enclosing cells are, see 5.; mindspore/train/model.py, checked 2.7.0-2.10.0). Used for a warning only."""
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_train" and code.co_filename.replace("\\", "/").endswith("mindspore/train/model.py"):
+            return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,276 @@
+"""The MindSpore internals the package relies on (ms_gradaccum/_mindspore/), checked on the installed version.
+
+CI runs this module on the lowest and the highest supported MindSpore, so each version difference handled in the
+adapters has a test that fails if the handling is wrong for the version at hand. Also: each patch's undo, and the
+fence (only the adapters import private MindSpore names; no import cycle in the package).
+"""
+import subprocess
+import sys
+
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import nn, Parameter, Tensor
+
+from ms_gradaccum import _buffers
+from ms_gradaccum._mindspore import graph, routing, surroundings, version
+from launch import repo_env
+
+
+@pytest.mark.parametrize("text, parsed", [("2.10.0", (2, 10, 0)), ("2.7.0", (2, 7, 0)), ("2.9.0rc1", (2, 9, 0)),
+                                          ("2.11", (2, 11, 0))])
+def test_mindspore_version_parsed(text, parsed):
+    assert version.mindspore_version(text) == parsed
+
+
+@pytest.mark.parametrize("text, supported", [("2.6.0", False), ("2.7.0", True), ("2.7.2", True), ("2.10.0", True),
+                                             ("2.11.0", False), ("3.0.0", False)])
+def test_mindspore_supported_range(text, supported):
+    if supported:
+        version.check_mindspore_version(text)
+    else:
+        with pytest.raises(ImportError, match=f"ms_gradaccum supports mindspore>=2.7.0,<2.11, but MindSpore {text} is "
+                                              f"installed"):
+            version.check_mindspore_version(text)
+
+
+def test_mindspore_import_refuses_an_unsupported_mindspore():
+    code = "import mindspore; mindspore.__version__ = '2.6.0'; import ms_gradaccum"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                          env=repo_env())
+    assert done.returncode == 1
+    assert ("ImportError: ms_gradaccum supports mindspore>=2.7.0,<2.11, but MindSpore 2.6.0 is installed" in
+            done.stderr), done.stderr[-2000:]
+
+
+class _Divide(nn.Cell):
+    """Divides a Parameter the way the package divides its buffers, in a graph."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.p = Parameter(Tensor(np.full(3, 6.0, np.float32)), name="p")
+        self.how = how
+
+    def construct(self, divisor):
+        if self.how == "augmented":
+            buffer = self.p
+            buffer /= divisor
+            return buffer
+        return _buffers.divide_in_place((self.p,), divisor)[0]
+
+
+def test_mindspore_in_place_division_flag_matches_this_mindspore():
+    # `p /= d` writes the Parameter from 2.8 on and not in 2.7: the flag must say which, or the optimizer that reads
+    # the buffers after the in-place all-reduce and division would see undivided sums (seen on 2.7.0).
+    cell = _Divide("augmented")
+    assert float(cell(Tensor(2.0, ms.float32)).asnumpy()[0]) == 3.0
+    assert (float(cell.p.asnumpy()[0]) == 3.0) == version.AUGMENTED_ASSIGNMENT_IN_PLACE, ms.__version__
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_mindspore_divide_in_place_writes_the_buffer_either_way(monkeypatch, in_place):
+    if in_place and not version.AUGMENTED_ASSIGNMENT_IN_PLACE:
+        pytest.skip(f"MindSpore {ms.__version__} does not divide Parameters in place")
+    monkeypatch.setattr(_buffers, "AUGMENTED_ASSIGNMENT_IN_PLACE", in_place)
+    cell = _Divide("package")
+    assert float(cell(Tensor(2.0, ms.float32)).asnumpy()[0]) == 3.0
+    assert float(cell.p.asnumpy()[0]) == 3.0
+
+
+class _ReadsAtCompile(nn.Cell):
+    calls = 0
+
+    @graph.compile_time
+    def value(self):
+        type(self).calls += 1
+        return float(len(self.trainable_params()) + 1)   # a call the graph parser could not compile
+
+    def construct(self, x):
+        return x * self.value
+
+
+def test_mindspore_compile_time_attribute_is_read_in_python_when_the_graph_compiles():
+    cell = _ReadsAtCompile()
+    out = cell(Tensor(np.ones(2, np.float32)))
+    assert out.asnumpy().tolist() == [1.0, 1.0] and _ReadsAtCompile.calls >= 1
+
+
+class _Checked(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.compile_checks = graph.CompileChecks(self)
+
+    def check_at_compile(self):
+        raise ValueError("the owner's own message")
+
+    def construct(self, x):
+        graph.run_compile_checks(self.compile_checks)
+        return x * 2
+
+
+def test_mindspore_compile_checks_reach_the_user_unchanged():
+    with pytest.raises(ValueError, match="the owner's own message"):
+        _Checked()(Tensor(np.ones(2, np.float32)))
+
+
+def test_mindspore_model_routes_by_class_name():
+    # What ROUTED_NAMES stands for: Model picks MindSpore's accumulating train cell by cls_name.
+    from mindspore.train.amp import _is_grad_accumulation  # pylint: disable=import-outside-toplevel
+
+    class GradAccumulation(nn.Cell):
+        def construct(self, x):
+            return x
+    assert _is_grad_accumulation(GradAccumulation()) and GradAccumulation().cls_name in routing.ROUTED_NAMES
+    assert not _is_grad_accumulation(routing.ParallelPassMarkers(nn.Dense(2, 2), 2))
+
+
+def test_mindspore_enclosing_cells_found_from_the_stack():
+    inner = nn.Dense(2, 2)
+    optimizer = nn.SGD(inner.trainable_params(), 0.1)
+    wrapper = nn.TrainOneStepCell(nn.WithLossCell(inner, nn.MSELoss()), optimizer)
+
+    class Frame(nn.Cell):
+        def __init__(self, top):
+            super().__init__()
+            self.top = top
+
+        def look(self):
+            return surroundings.enclosing_train_cell(inner), surroundings.enclosing_optimizer(inner)
+
+    assert Frame(wrapper).look() == (wrapper, optimizer)
+    assert surroundings.enclosing_train_cell(inner) is None and surroundings.enclosing_optimizer(inner) is None
+
+
+def test_mindspore_differentiated_weights_found_from_the_grad_call():
+    # PyNative: value_and_grad's after_grad frame is on the stack while the function runs.
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        dense = nn.Dense(2, 1)
+        weights = [dense.weight]
+        seen = []
+
+        def forward(x):
+            seen.append(surroundings.differentiated_weights())
+            return dense(x).sum()
+
+        ms.value_and_grad(forward, None, weights)(Tensor(np.ones((1, 2), np.float32)))
+        assert seen and seen[0] == weights and seen[0][0] is dense.weight
+        # Gradients with respect to the inputs only: no weights; and outside any grad call, nothing.
+        seen.clear()
+        ms.value_and_grad(forward, 0)(Tensor(np.ones((1, 2), np.float32)))
+        assert seen == [None]
+        assert surroundings.differentiated_weights() is None
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
+
+
+# --- the patches: each undone by its uninstall() ------------------------------------------------------------------
+
+def test_mindspore_patches_uninstall_restores_mindspore_and_plain_training_is_unchanged():
+    # In a fresh process: train through GradAccumulationCell (both patches installed), uninstall them, and find
+    # MindSpore's own objects back; a plain train cell trains bit-identically before the patches and after their undo.
+    code = """
+import numpy as np, mindspore as ms
+from mindspore import nn
+from mindspore.ops.composite.multitype_ops import zeros_like_impl
+from ms_gradaccum._mindspore.patches import CELL_GRAPH_EXECUTOR, PATCHES, AUTODIFF_ZEROS_LIKE, GRAPH_COMPILE
+import sys
+sys.path.insert(0, "tests")
+from helpers import ce, classification_batches, make_mlp, make_optimizer, params_of, train_steps, ZerosLikeLoss
+ms.set_context(mode=ms.GRAPH_MODE)
+def plain():
+    net = make_mlp()
+    train_steps(nn.TrainOneStepCell(nn.WithLossCell(net, ce()), make_optimizer("adam", net.trainable_params())),
+                classification_batches(2, 32))
+    return params_of(net)
+functional, compile_graph = zeros_like_impl.F, CELL_GRAPH_EXECUTOR.compile
+before = plain()
+from ms_gradaccum import GradAccumulationCell
+net = make_mlp()
+train_steps(nn.TrainOneStepCell(GradAccumulationCell(ZerosLikeLoss(net), 4), make_optimizer("sgd", net.trainable_params())),
+            classification_batches(1, 32))
+print("installed:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed, zeros_like_impl.F is functional,
+      CELL_GRAPH_EXECUTOR.compile == compile_graph)
+for patch in PATCHES:
+    patch.uninstall()
+    patch.uninstall()   # twice: nothing more
+print("uninstalled:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed, zeros_like_impl.F is functional,
+      CELL_GRAPH_EXECUTOR.compile == compile_graph, "ms_gradaccum._autodiff_functional" in sys.modules)
+after = plain()
+print("plain:", "bit-identical" if all(np.array_equal(before[k], after[k]) for k in before) else "DIFFERENT")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                          env=repo_env(GLOG_v="3"))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "installed: True True False False" in done.stdout, done.stdout   # control: the patches were in place
+    assert "uninstalled: False False True True False" in done.stdout, done.stdout
+    assert "plain: bit-identical" in done.stdout, done.stdout
+
+
+# --- the fence: private MindSpore names only in the adapters; no import cycle -----------------------------------------
+
+def _package_imports() -> dict:
+    """``{module: [(imported module, names), ...]}`` of every module of the package, read from its source."""
+    import ast            # pylint: disable=import-outside-toplevel
+    import pathlib        # pylint: disable=import-outside-toplevel
+    root = pathlib.Path(_buffers.__file__).parent
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(("ms_gradaccum",) + path.relative_to(root).with_suffix("").parts).replace(".__init__", "")
+        imports = []
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imports.append((node.module, [alias.name for alias in node.names]))
+            elif isinstance(node, ast.Import):
+                imports += [(alias.name, []) for alias in node.names]
+        found[module] = imports
+    return found
+
+
+def _private(module: str, names: list) -> list:
+    parts = module.split(".")
+    return [module] if any(part.startswith("_") for part in parts[1:]) else \
+        [f"{module}.{name}" for name in names if name.startswith("_")]
+
+
+def test_mindspore_private_names_are_imported_by_the_adapters_only():
+    imports = _package_imports()
+    adapters = {name: found for name, found in imports.items() if name.startswith("ms_gradaccum._mindspore")}
+    outside = {name: [p for module, names in found if module.split(".")[0] == "mindspore"
+                      for p in _private(module, names)]
+               for name, found in imports.items() if name not in adapters}
+    assert not any(outside.values()), {name: private for name, private in outside.items() if private}
+    # Control: the check sees private imports where they are.
+    assert any(_private(module, names) for found in adapters.values() for module, names in found
+               if module.split(".")[0] == "mindspore")
+
+
+def test_mindspore_package_has_no_import_cycle():
+    imports = _package_imports()
+    graph = {}
+    for name, found in imports.items():
+        targets = set()
+        for module, names in found:
+            if module.startswith("ms_gradaccum"):
+                targets.add(module)
+                targets.update(f"{module}.{n}" for n in names if f"{module}.{n}" in imports)
+        graph[name] = {t for t in targets if t in imports and t != name}
+    # A package imports its own __init__ first: edges to a parent package are not cycles of the modules' own.
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+
+    def cycle_from(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for target in graph[node]:
+                if target == start:
+                    return path + [start]
+                if target not in seen:
+                    seen.add(target)
+                    stack.append((target, path + [target]))
+        return None
+
+    cycles = [cycle for cycle in map(cycle_from, sorted(graph)) if cycle]
+    assert not cycles, cycles
+    assert len(graph) > 10 and any(graph.values())   # control: the graph was read
