@@ -53,6 +53,7 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
+from ms_gradaccum._mindspore.patches import Patch
 from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
 from ms_gradaccum._validation import argument_error, check_bool, check_input_indices, check_positive_int
@@ -308,22 +309,36 @@ def check_trainer_config(config) -> None:
             f"MindFormers' gradient_accumulation_steps (its MFPipelineWithLossScaleCell) accumulates.")
 
 
-_CHECKED = "_ms_gradaccum_checked"
+class TrainerCheck(Patch):
+    """:func:`check_trainer_config` run first in ``BaseTrainer._check_grad_accumulation_steps``, before MindFormers
+    resets or replaces anything; ``uninstall()`` puts MindFormers' method back."""
+
+    def __init__(self):
+        self._original = None
+
+    @property
+    def installed(self) -> bool:
+        return self._original is not None
+
+    def install(self) -> bool:
+        if self._original is not None:
+            return True
+        original = BaseTrainer._check_grad_accumulation_steps  # pylint: disable=protected-access
+
+        def _check_grad_accumulation_steps(trainer):
+            check_trainer_config(trainer.config)
+            return original(trainer)
+
+        self._original = original
+        BaseTrainer._check_grad_accumulation_steps = _check_grad_accumulation_steps  # pylint: disable=protected-access
+        return True
+
+    def uninstall(self) -> None:
+        if self._original is not None:
+            BaseTrainer._check_grad_accumulation_steps = self._original  # pylint: disable=protected-access
+            self._original = None
 
 
-def _install_trainer_check() -> None:
-    """Run :func:`check_trainer_config` first in ``BaseTrainer._check_grad_accumulation_steps`` (once)."""
-    original = BaseTrainer._check_grad_accumulation_steps  # pylint: disable=protected-access
-    if getattr(original, _CHECKED, False):
-        return
-
-    def _check_grad_accumulation_steps(self):
-        check_trainer_config(self.config)
-        return original(self)
-
-    setattr(_check_grad_accumulation_steps, _CHECKED, True)
-    BaseTrainer._check_grad_accumulation_steps = _check_grad_accumulation_steps  # pylint: disable=protected-access
-
-
+TRAINER_CHECK = TrainerCheck()
 MindFormerRegister.register_cls(GradAccumulationWrapper, module_type=MindFormerModuleType.WRAPPER)
-_install_trainer_check()
+TRAINER_CHECK.install()

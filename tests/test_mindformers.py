@@ -284,3 +284,21 @@ def test_mindformers_sample_finetunes_through_the_trainer_in_graph_mode(tmp_path
             in summary), summary
     first, last = (float(value) for value in summary.rsplit("loss ", 1)[1].split(" (")[0].split(" -> "))
     assert last < 0.9 * first, summary   # it learns
+
+
+def test_mindformers_trainer_check_is_undone_by_uninstall():
+    # The one change to MindFormers (its trainer's check runs the package's first): installed on import, undone by
+    # uninstall() (MindFormers' own method back), installed again idempotently.
+    from mindformers.trainer.base_trainer import BaseTrainer   # pylint: disable=import-outside-toplevel
+    from ms_gradaccum.mindformers import TRAINER_CHECK   # pylint: disable=import-outside-toplevel
+    patched = BaseTrainer._check_grad_accumulation_steps  # pylint: disable=protected-access
+    assert TRAINER_CHECK.installed and patched.__qualname__.startswith("TrainerCheck.")
+    TRAINER_CHECK.uninstall()
+    try:
+        original = BaseTrainer._check_grad_accumulation_steps  # pylint: disable=protected-access
+        assert not TRAINER_CHECK.installed and original.__module__ == "mindformers.trainer.base_trainer"
+        TRAINER_CHECK.uninstall()   # nothing more
+    finally:
+        TRAINER_CHECK.install()
+        TRAINER_CHECK.install()
+    assert BaseTrainer._check_grad_accumulation_steps.__qualname__.startswith("TrainerCheck.")  # pylint: disable=protected-access
