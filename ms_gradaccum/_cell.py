@@ -13,8 +13,7 @@ from ms_gradaccum._mindspore.graph import (CompileChecks, compile_time, compilin
                                            run_compile_checks)
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE, bprops_calling_zeros_like
 from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES, ROUTED_NAMES, TrainGradAccuStepCell, parallel_mode
-from ms_gradaccum._mindspore.surroundings import (differentiated_weights, enclosing_loss_wrapper, enclosing_optimizer,
-                                                  enclosing_train_cell)
+from ms_gradaccum._mindspore.surroundings import discover
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
@@ -35,7 +34,7 @@ def _count_unit(batch: int, micro_size: int) -> float:
 def check_loss_inside(cell: nn.Cell) -> None:
     """Refuse a cell whose output another cell turns into the loss (``Model(cell, loss_fn=...)`` builds one): it is
     given only the data, so it cannot split the labels with it, and would accumulate the gradient of its output."""
-    wrapper = enclosing_loss_wrapper(cell)
+    wrapper = discover(cell).loss_wrapper
     if wrapper is not None:
         raise ValueError(
             f"For '{_NAME}', the loss must be computed inside the cell, but it is the backbone of "
@@ -268,7 +267,7 @@ class GradAccumulationCell(PrecisionNeutral):
         """What is checked when the graph compiles (and at every call in PyNative mode): see _mindspore.graph.CompileChecks."""
         check_data_parallel_ready(_NAME)
         check_loss_inside(self)
-        wrapper = enclosing_train_cell(self)
+        wrapper = discover(self).train_cell
         if self.parallel_pass:
             check_parallel_pass_arguments(self.explicit_loss_scale, self.per_token_loss, self.shared_inputs,
                                           self.reduction)
@@ -310,7 +309,7 @@ class GradAccumulationCell(PrecisionNeutral):
     def _check_explicit_weights(self) -> None:
         """Refuses `weights` that leave out a weight of the network the wrapping optimizer updates: it would be handed
         a zero gradient (and still be moved by momentum or weight decay)."""
-        optimizer = enclosing_optimizer(self)
+        optimizer = discover(self).optimizer
         if optimizer is None:
             return
         given = {id(weight) for weight in self._explicit_weights}
@@ -329,8 +328,9 @@ class GradAccumulationCell(PrecisionNeutral):
         those with ``requires_grad=True``."""
         if self._explicit_weights is not None:
             return list(self._explicit_weights)
-        optimizer = enclosing_optimizer(self)
-        differentiated = optimizer.parameters if optimizer is not None else differentiated_weights()
+        surroundings = discover(self)
+        optimizer = surroundings.optimizer
+        differentiated = optimizer.parameters if optimizer is not None else surroundings.differentiated
         if differentiated is None:
             return self.network.trainable_params()
         trained = {id(weight) for weight in differentiated}

@@ -26,7 +26,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.cells import PRECISION_FLAGS
 from ms_gradaccum._mindspore.graph import compile_time
-from ms_gradaccum._mindspore.surroundings import applied_sens, enclosing_train_cell
+from ms_gradaccum._mindspore.surroundings import applied_sens, discover
 from ms_gradaccum._validation import argument_error, computes_in_float16
 
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)
@@ -147,12 +147,12 @@ class WrapperScale(LossScale):
 
     @compile_time
     def value(self) -> float:
-        wrapper = enclosing_train_cell(self._owner())
+        wrapper = discover(self._owner()).train_cell
         scale = 1.0 if wrapper is None else applied_sens(wrapper)
         return 1.0 if scale is None else scale
 
     def check(self) -> None:
-        wrapper = enclosing_train_cell(self._owner())
+        wrapper = discover(self._owner()).train_cell
         scale = 1.0 if wrapper is None else applied_sens(wrapper)
         if scale is None:
             raise ValueError(

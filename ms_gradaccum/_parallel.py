@@ -14,7 +14,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.routing import ParallelPassMarkers, batch_axis_splits, parallel_mode, scale_left_out
-from ms_gradaccum._mindspore.surroundings import enclosing_train_cell
+from ms_gradaccum._mindspore.surroundings import discover
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import input_kinds
 
@@ -98,7 +98,7 @@ class ParallelPassAccumulation(PrecisionNeutral):
     @compile_time
     def left_out_scale(self) -> float:
         """The optimizer's loss_scale when the wrapper never applies it, else 1 (read when the graph compiles)."""
-        return scale_left_out(enclosing_train_cell(self))
+        return scale_left_out(discover(self).train_cell)
 
     @compile_time
     def batch_splits(self) -> tuple:

@@ -14,7 +14,7 @@ from ms_gradaccum._cell import GradAccumulationCell, loss_rows
 from ms_gradaccum._engine import MicroBatchGradients
 from ms_gradaccum._mindspore.graph import CompileChecks, primexpr, run_compile_checks
 from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES, parallel_mode
-from ms_gradaccum._mindspore.surroundings import enclosing_optimizer, training_under_model
+from ms_gradaccum._mindspore.surroundings import discover
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._tokens import LabelWatch, warn_token_mean
 from ms_gradaccum._validation import (argument_error, check_bool, check_cell, check_has_parameters,
@@ -248,7 +248,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
                 f"For '{_NAME}', semi-auto/auto parallel is not supported: there MindSpore's parallel pass does the "
                 f"accumulation and shards its buffers. Train Model(GradAccumulationCell(loss_net, micro_size), "
                 f"optimizer=...) instead (under set_auto_parallel_context or AutoParallel).")
-        outer = enclosing_optimizer(self)
+        outer = discover(self).optimizer
         if outer is not None:
             raise ValueError(
                 f"For '{_NAME}', the cell is a train cell with its own optimizer, but it is wrapped in another cell "
@@ -263,7 +263,7 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         if self.__dict__.get("_epoch_windows_closed") or self.__dict__.get("_warned_windows"):
             return
         steps = int(self.accumulate_steps.asnumpy())
-        if steps > 1 and int(self.steps_per_epoch.asnumpy()) == 0 and training_under_model():
+        if steps > 1 and int(self.steps_per_epoch.asnumpy()) == 0 and discover(self).under_model:
             object.__setattr__(self, "_warned_windows", True)
             warnings.warn(
                 f"{type(self).__name__}: Model trains windows of accumulate_steps={steps} batches, but nothing closes "

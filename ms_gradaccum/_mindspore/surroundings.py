@@ -5,6 +5,7 @@ MindSpore keeps no parent pointer, and GraphExecutor does not expose the cell be
 are found among the cells of the frames on the stack. A nested ms.jit graph compiles apart, without them: callers
 resolve in their own construct and remember the result. Checked 2.7.0-2.10.0.
 """
+import dataclasses
 import sys
 import weakref
 from typing import Optional
@@ -67,11 +68,7 @@ def enclosing_optimizer(cell: nn.Cell) -> Optional[nn.Optimizer]:
     """The optimizer of the innermost cell around `cell` that holds one as ``.optimizer`` (every
     ``nn.TrainOneStepCell``, and hand-written train cells written as MindSpore's tutorials write them);
     ``None`` outside any."""
-    for candidate in _enclosing_cells(cell):
-        optimizer = candidate.__dict__.get("optimizer") or candidate._cells.get("optimizer")  # pylint: disable=protected-access
-        if isinstance(optimizer, nn.Optimizer):
-            return optimizer
-    return None
+    return _optimizer_of(_enclosing_cells(cell))
 
 
 # The weights of a mindspore.grad / value_and_grad call (functional style, no train cell). MindSpore's
@@ -191,3 +188,56 @@ def training_under_model() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Surroundings:
+    """What is around a cell when its graph compiles (every call in PyNative), found by :func:`discover` in one walk."""
+
+    train_cell: Optional[nn.TrainOneStepCell]   # the innermost nn.TrainOneStepCell (or subclass) around it
+    optimizer: Optional[nn.Optimizer]           # the optimizer of the innermost cell around it holding one
+    loss_wrapper: Optional[nn.Cell]             # a cell computing a loss of its output (it is that cell's _backbone)
+    differentiated: Optional[tuple]             # without an optimizer: the weights of the grad call around it
+    under_model: bool                           # whether Model.train is running it
+
+
+_DISCOVERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def discover(cell: nn.Cell) -> Surroundings:
+    """The surroundings of `cell`: one walk of the stack, memoised by what it depends on (the cells on the stack and
+    the frames of a grad call, a jit compile or Model.train, by identity): every read during one compile gets the same
+    object."""
+    roots = _cells_on_stack()
+    frames, frame = [], sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        if frame.f_code.co_name in ("after_grad", "staging_specialize", "_train"):
+            frames.append(frame)
+        frame = frame.f_back
+    key = (tuple(id(root) for root in roots), tuple(id(f) for f in frames))
+    cached = _DISCOVERED.get(cell)
+    if cached is not None and cached[0] == key and all(r() is root for r, root in zip(cached[1], roots)):
+        return cached[2]
+    enclosing = _enclosing_cells(cell)
+    optimizer = _optimizer_of(enclosing)
+    differentiated = None
+    if optimizer is None:
+        weights = differentiated_weights()
+        differentiated = tuple(weights) if weights is not None else None
+    found = Surroundings(
+        train_cell=next((c for c in enclosing if isinstance(c, nn.TrainOneStepCell)), None),
+        optimizer=optimizer,
+        loss_wrapper=next((c for c in enclosing if c.__dict__.get("_cells", {}).get("_backbone") is cell), None),
+        differentiated=differentiated,
+        under_model=training_under_model())
+    _DISCOVERED[cell] = (key, tuple(weakref.ref(root) for root in roots), found)
+    return found
+
+
+def _optimizer_of(enclosing: list) -> Optional[nn.Optimizer]:
+    for candidate in enclosing:
+        optimizer = candidate.__dict__.get("optimizer") or candidate._cells.get("optimizer")  # pylint: disable=protected-access
+        if isinstance(optimizer, nn.Optimizer):
+            return optimizer
+    return None
+
