@@ -91,7 +91,7 @@ def _value_and_count(out, cls_name: str, per_token_loss: bool) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _moving_statistics_kept(network: nn.Cell):
+def moving_statistics_kept(network: nn.Cell):
     """Puts BatchNorm's moving statistics back as they were: the check's pass is not a training step."""
     kept = [(param, Tensor(param.asnumpy())) for name, param in network.parameters_and_names()
             if name.split(".")[-1] in ("moving_mean", "moving_variance")]
@@ -196,7 +196,7 @@ class ContractCheck(PrecisionNeutral):
                 return False
             network = self._scaled_loss.loss_of_inputs.network
             watch = self.labels.watching(rows, split) if self.labels is not None else contextlib.nullcontext()
-            with eager_mode(), _moving_statistics_kept(network), watch:
+            with eager_mode(), moving_statistics_kept(network), watch:
                 out = network(*assemble(tuple(x[:rows] for x in split), shared, constants, layout))
             value = _value_and_count(out, self.owner_name, self.per_token_loss)   # read: PyNative runs asynchronously
         except Exception:  # pylint: disable=broad-except

@@ -22,6 +22,7 @@ from typing import Optional
 from mindspore import nn
 
 from ms_gradaccum import _microbatch
+from ms_gradaccum._contract import moving_statistics_kept
 from ms_gradaccum._microbatch import assemble, input_kinds, partition, plan, plan_inputs
 from ms_gradaccum._mindspore.graph import eager_mode
 
@@ -66,7 +67,7 @@ def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: int) -> Optional[bo
     rows = sum(sizes[:micro_batches])
     network = engine.scaled_loss.loss_of_inputs.network
     try:
-        with eager_mode():
+        with eager_mode(), moving_statistics_kept(network):
             out = network(*assemble(tuple(x[:rows] for x in split), shared, constants, layout))
             for item in out if isinstance(out, (tuple, list)) else (out,):
                 if hasattr(item, "asnumpy"):
