@@ -201,7 +201,7 @@ class Surroundings:
     under_model: bool                           # whether Model.train is running it
 
 
-_DISCOVERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MEMO = "_ms_gradaccum_surroundings"   # on the cell itself: a cache of its own that dies with it
 
 
 def discover(cell: nn.Cell) -> Surroundings:
@@ -215,7 +215,7 @@ def discover(cell: nn.Cell) -> Surroundings:
             frames.append(frame)
         frame = frame.f_back
     key = (tuple(id(root) for root in roots), tuple(id(f) for f in frames))
-    cached = _DISCOVERED.get(cell)
+    cached = cell.__dict__.get(_MEMO)
     if cached is not None and cached[0] == key and all(r() is root for r, root in zip(cached[1], roots)):
         return cached[2]
     enclosing = _enclosing_cells(cell)
@@ -230,7 +230,9 @@ def discover(cell: nn.Cell) -> Surroundings:
         loss_wrapper=next((c for c in enclosing if c.__dict__.get("_cells", {}).get("_backbone") is cell), None),
         differentiated=differentiated,
         under_model=training_under_model())
-    _DISCOVERED[cell] = (key, tuple(weakref.ref(root) for root in roots), found)
+    # Kept on the cell, not in a module-level table: the description holds the cells around it (which hold the cell), and
+    # a table keyed weakly by the cell would keep it alive through its own value.
+    object.__setattr__(cell, _MEMO, (key, tuple(weakref.ref(root) for root in roots), found))
     return found
 
 
