@@ -201,39 +201,25 @@ class Surroundings:
     under_model: bool                           # whether Model.train is running it
 
 
-_MEMO = "_ms_gradaccum_surroundings"   # on the cell itself: a cache of its own that dies with it
-
-
 def discover(cell: nn.Cell) -> Surroundings:
-    """The surroundings of `cell`: one walk of the stack, memoised by what it depends on (the cells on the stack and
-    the frames of a grad call, a jit compile or Model.train, by identity): every read during one compile gets the same
-    object."""
-    roots = _cells_on_stack()
-    frames, frame = [], sys._getframe(1)  # pylint: disable=protected-access
-    while frame is not None:
-        if frame.f_code.co_name in ("after_grad", "staging_specialize", "_train"):
-            frames.append(frame)
-        frame = frame.f_back
-    key = (tuple(id(root) for root in roots), tuple(id(f) for f in frames))
-    cached = cell.__dict__.get(_MEMO)
-    if cached is not None and cached[0] == key and all(r() is root for r, root in zip(cached[1], roots)):
-        return cached[2]
+    """The surroundings of `cell`, found in one walk of the stack into one frozen description.
+
+    Not memoised: within one compile the frames differ between reads (a compile-time attribute is read while the graph
+    is parsed, the compile checks run later), and frame identities are reused once frames end, so a cache keyed by
+    them returned a description of frames that were gone (measured: a grad call's weights found at parse, none at the
+    checks). Each read walks again; the cells around are cached by the cells on the stack (_enclosing_cells)."""
     enclosing = _enclosing_cells(cell)
     optimizer = _optimizer_of(enclosing)
     differentiated = None
     if optimizer is None:
         weights = differentiated_weights()
         differentiated = tuple(weights) if weights is not None else None
-    found = Surroundings(
+    return Surroundings(
         train_cell=next((c for c in enclosing if isinstance(c, nn.TrainOneStepCell)), None),
         optimizer=optimizer,
         loss_wrapper=next((c for c in enclosing if c.__dict__.get("_cells", {}).get("_backbone") is cell), None),
         differentiated=differentiated,
         under_model=training_under_model())
-    # Kept on the cell, not in a module-level table: the description holds the cells around it (which hold the cell), and
-    # a table keyed weakly by the cell would keep it alive through its own value.
-    object.__setattr__(cell, _MEMO, (key, tuple(weakref.ref(root) for root in roots), found))
-    return found
 
 
 def _optimizer_of(enclosing: list) -> Optional[nn.Optimizer]:
