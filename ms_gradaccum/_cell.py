@@ -264,7 +264,8 @@ class GradAccumulationCell(PrecisionNeutral):
         self.compile_checks = CompileChecks(self)
 
     def check_at_compile(self) -> None:
-        """What is checked when the graph compiles (and at every call in PyNative mode): see _mindspore.graph.CompileChecks."""
+        """What is checked when the graph compiles (and at every call in PyNative mode): see
+        _mindspore.graph.CompileChecks."""
         check_data_parallel_ready(_NAME)
         check_loss_inside(self)
         wrapper = discover(self).train_cell
@@ -292,7 +293,7 @@ class GradAccumulationCell(PrecisionNeutral):
 
     @property
     def cls_name(self) -> str:
-        # mindspore.train.amp._is_grad_accumulation reads cls_name when Model builds its train cell (see _mindspore.routing):
+        # mindspore.train.amp._is_grad_accumulation reads cls_name when Model builds its train cell (_mindspore.routing):
         # a routed name gets MindSpore's _TrainGradAccuStepCell, which only the semi-auto/auto-parallel pass feeds.
         # So the routed name only in those modes (in force then, whether set globally or by AutoParallel).
         if self.parallel_pass:

@@ -92,7 +92,8 @@ class LossScale(PrecisionNeutral):
         object.__setattr__(self, "_warned", False)
 
     def check(self) -> None:
-        """Raises what is wrong with the scale, and warns, when the owner's graph compiles (see _mindspore.graph.CompileChecks)."""
+        """Raises what is wrong with the scale, and warns, when the owner's graph compiles (see
+        _mindspore.graph.CompileChecks)."""
 
     def warn_if_float16(self) -> None:
         """One UserWarning per cell when its network computes in float16 and no scale reaches its backward passes."""

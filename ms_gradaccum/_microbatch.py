@@ -2,7 +2,8 @@
 
 A batch of any size is split into ``micro_size`` micro-batches as even as possible (sizes differing by at most
 one); the caller weights each by its true number of rows. The checks run at graph-compile time on static shapes
-(:func:`~ms_gradaccum._mindspore.graph.primexpr`), so a bad batch fails before any computation, with a message naming the input and its shape.
+(:func:`~ms_gradaccum._mindspore.graph.primexpr`), so a bad batch fails before any computation, with a message
+naming the input and its shape.
 Rows are never dropped.
 """
 import inspect

@@ -241,7 +241,8 @@ class AccumulatingTrainOneStepCell(nn.TrainOneStepCell):
         self.compile_checks = CompileChecks(self)
 
     def check_at_compile(self) -> None:
-        """What is checked when the graph compiles (and at every call in PyNative mode): see _mindspore.graph.CompileChecks."""
+        """What is checked when the graph compiles (and at every call in PyNative mode): see
+        _mindspore.graph.CompileChecks."""
         check_data_parallel_ready(_NAME)
         if parallel_mode() in PARALLEL_PASS_MODES:
             raise RuntimeError(

@@ -71,7 +71,7 @@ class compile_time:  # pylint: disable=invalid-name
 
 def compiling_graph() -> bool:
     """Whether the caller runs while a graph is being compiled: GRAPH_MODE, or an ``ms.jit`` function being compiled in
-    PyNative mode (the jit wrapper's ``staging_specialize`` frame, see 5.)."""
+    PyNative mode (the jit wrapper's ``staging_specialize`` frame, as in _mindspore.surroundings)."""
     if ms.get_context("mode") == ms.GRAPH_MODE:
         return True
     frame = sys._getframe(1)  # pylint: disable=protected-access

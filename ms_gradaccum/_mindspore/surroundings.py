@@ -180,7 +180,7 @@ def reducer_all_reduces(reducer: nn.DistributedGradReducer) -> tuple:
 
 def training_under_model() -> bool:
     """Whether the caller runs inside ``mindspore.train.Model.train`` (a frame of ``Model._train`` on the stack, found
-    the way the enclosing cells are, see 5.; mindspore/train/model.py, checked 2.7.0-2.10.0). Used for a warning only."""
+    the way the enclosing cells are; mindspore/train/model.py, checked 2.7.0-2.10.0)."""
     frame = sys._getframe(1)  # pylint: disable=protected-access
     while frame is not None:
         code = frame.f_code
