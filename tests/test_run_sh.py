@@ -37,6 +37,23 @@ def _wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def _kill_rank_1_when(job, worker_1, text: str, marker: str, what: str) -> tuple:
+    """Waits until rank 1's log holds `text`, kills rank 1 with SIGKILL and waits for run.sh: ``(its output, seconds
+    from the kill to its end)``. run.sh is killed if it is still running when this ends."""
+    try:
+        _wait_for(lambda: worker_1.exists() and text in worker_1.read_text(errors="replace"), 240, what)
+        pids = _processes_with_env(marker, 1)
+        assert len(pids) == 1, f"expected one rank-1 process, found {pids}"
+        os.kill(pids[0], 9)
+        killed_at = time.monotonic()
+        output, _ = job.communicate(timeout=90)
+        return output, time.monotonic() - killed_at
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+
+
 LAUNCHERS = {
     # launcher: (rank 1's log, what the launcher says about a rank killed with signal 9). msrun says one of two
     # things, whichever of its checks sees the dead rank first: its process monitor (the exit code) or its
@@ -67,20 +84,7 @@ def test_run_sh_killed_rank_fails_fast_with_its_log(tmp_path, launcher):
     env = repo_env(MS_GRADACCUM_TEST_RUN=marker, LOG_DIR=str(log_dir), LAUNCHER=launcher, RUN_TIMEOUT="300")
     job = subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), "2", "--epochs", "500", "--loss-every", "1"],
                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        worker_1 = log_dir / rank_1_log
-        _wait_for(lambda: worker_1.exists() and "loss is" in worker_1.read_text(errors="replace"), 240,
-                  "rank 1 to start training")
-        pids = _processes_with_env(marker, 1)
-        assert len(pids) == 1, f"expected one rank-1 process, found {pids}"
-        os.kill(pids[0], 9)
-        killed_at = time.monotonic()
-        output, _ = job.communicate(timeout=90)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
+    output, elapsed = _kill_rank_1_when(job, log_dir / rank_1_log, "loss is", marker, "rank 1 to start training")
     assert job.returncode != 0, output
     assert elapsed < 60, f"run.sh took {elapsed:.0f}s to notice the dead rank"
     assert "run.sh: FAILED" in output
@@ -112,20 +116,8 @@ def test_run_sh_killed_job_resumes_and_ends_as_the_uninterrupted_run(tmp_path):
     job = subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), *args], cwd=REPO,
                            env=_run_sh_env(tmp_path, "stopped", MS_GRADACCUM_TEST_RUN=marker),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        worker_1 = log_dir / "1" / "rank.1" / "stdout"
-        _wait_for(lambda: worker_1.exists() and "epoch: 2 step: 5," in worker_1.read_text(errors="replace"), 240,
-                  "rank 1 to reach epoch 2")
-        pids = _processes_with_env(marker, 1)
-        assert len(pids) == 1, f"expected one rank-1 process, found {pids}"
-        os.kill(pids[0], 9)
-        killed_at = time.monotonic()
-        output, _ = job.communicate(timeout=90)
-        ended_after = time.monotonic() - killed_at
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
+    worker_1 = log_dir / "1" / "rank.1" / "stdout"
+    output, ended_after = _kill_rank_1_when(job, worker_1, "epoch: 2 step: 5,", marker, "rank 1 to reach epoch 2")
     assert job.returncode != 0 and "run.sh: FAILED" in output, output[-3000:]
     assert "final loss" not in worker_1.read_text(errors="replace"), "rank 1 finished before it was killed"
     assert f"continue from the newest with the same command and --resume (bash run.sh {' '.join(args)} --resume)" \
