@@ -269,12 +269,17 @@ def prepared_for(owner: nn.Cell, inputs: tuple):
     return contextlib.nullcontext()
 
 
+def inner_cell(cell: nn.Cell) -> nn.Cell:
+    """The cell whose inputs are `cell`'s own: the network of a pass-through train cell, else `cell` itself."""
+    if type(cell) in _PASS_THROUGH:   # pylint: disable=unidiomatic-typecheck
+        return getattr(cell, "network", None)
+    return cell
+
+
 def around_compile(cell: nn.Cell, args: tuple):
     """Around the graph executor's compile of `cell` on `args` (called each time a cell is called in graph mode, with
     the call's inputs): the eager pass of the package cell compiled as the outermost, or of the one a pass-through
     train cell wraps."""
     if ms.get_context("mode") != ms.GRAPH_MODE:
         return contextlib.nullcontext()   # PyNative mode: the package cells prepare when called (their __call__)
-    if type(cell) in _PASS_THROUGH:   # pylint: disable=unidiomatic-typecheck
-        cell = getattr(cell, "network", None)
-    return prepared_for(cell, args)
+    return prepared_for(inner_cell(cell), args)

@@ -22,14 +22,12 @@ from typing import Optional
 from mindspore import nn
 
 from ms_gradaccum import _microbatch
-from ms_gradaccum._contract import moving_statistics_kept
+from ms_gradaccum._contract import inner_cell, moving_statistics_kept
 from ms_gradaccum._microbatch import assemble, input_kinds, partition, plan, plan_inputs
 from ms_gradaccum._mindspore.graph import eager_mode
 
 # The engine whose graph the compile under way built, if any (see 1. above).
 _NOTED = {"engine": None}
-# The train cells that hand their inputs unchanged to the package cell: what Model builds (_contract says why).
-_PASS_THROUGH = (nn.TrainOneStepCell, nn.TrainOneStepWithLossScaleCell)
 
 
 def note_engine(engine: nn.Cell) -> None:
@@ -47,9 +45,7 @@ def around_compile(cell: nn.Cell, args: tuple):   # pylint: disable=unused-argum
 
 def _owner_inputs(cell: nn.Cell, args: tuple, engine: nn.Cell) -> Optional[tuple]:
     """The package cell's inputs, where the compiled cell is that cell or a pass-through train cell around it."""
-    if type(cell) in _PASS_THROUGH:   # pylint: disable=unidiomatic-typecheck
-        cell = getattr(cell, "network", None)
-    return args if getattr(cell, "engine", None) is engine else None
+    return args if getattr(inner_cell(cell), "engine", None) is engine else None
 
 
 def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: int) -> Optional[bool]:
