@@ -51,6 +51,9 @@ COMPILE_CONFIGS = [("plain", 1, 16), ("accumulate", 4, 16), ("accumulate_uncheck
                    ("plain", 1, 18), ("accumulate", 4, 18), ("accumulate_steps", 4, 18),
                    ("accumulate", 2, 64), ("accumulate", 64, 64)]
 COMPILE_FULL = dict(models=["lm2", "lm6"], repeats=3, steps=3)
+# Where the compile time goes: MindSpore's compile profile by phase, the 6-layer LM, batch 16 (full runs only).
+PROFILED = [("plain", 1), ("accumulate", 4), ("accumulate_unchecked", 4), ("accumulate_steps", 4)]
+PROFILE_FULL = dict(model="lm6")
 COMPILE_QUICK = dict(models=["lm2"], repeats=1, steps=2)
 FLOOR_K = 8  # the plain one-micro-batch run is the memory floor for micro_size 8
 # The step-time and memory-reduction targets are for models whose activations dominate; in the parameter-heavy
@@ -74,9 +77,11 @@ def configurations(spec: Dict, with_torch: bool) -> List[tuple]:
 
 
 def run_one(framework: str, model: str, kind: str, micro_size: int, batch: int, steps: int,
-            timeout: float) -> Optional[dict]:
+            timeout: float, profile: bool = False) -> Optional[dict]:
     env = dict(os.environ, GLOG_v="3", MS_DEV_RUNTIME_CONF="memory_statistics:True",
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    if profile:
+        env["BENCH_COMPILE_PROFILE"] = "1"
     command = [sys.executable, os.path.join(HERE, "worker.py"), framework, model, kind, str(micro_size), str(batch),
                str(steps)]
     try:
@@ -91,6 +96,8 @@ def run_one(framework: str, model: str, kind: str, micro_size: int, batch: int, 
               file=sys.stderr)
         return None
     result = json.loads(found.group(1))
+    if profile:
+        result["phases"] = compile_phases(output)
     peaks = [int(v) for v in re.findall(r"peak used mem:(\d+)M", output)]
     result["pool_peak_mb"] = max(peaks) if peaks else None
     if result["pool_peak_mb"] is not None and result.get("param_mb") is not None:
@@ -239,6 +246,48 @@ def compile_rows(spec: Dict) -> Optional[List[dict]]:
     return list(best.values())
 
 
+def compile_phases(output: str) -> Dict[str, float]:
+    """The top-level phases of MindSpore's compile profile (``[type_inference]: 3.39``, unindented) and its
+    ``TotalTime``, in seconds, summed over the graphs compiled."""
+    phases = {}
+    for name, value in re.findall(r"^\[([\w-]+)\]: ([\d.e-]+)", output, re.M):
+        phases[name] = phases.get(name, 0.0) + float(value)
+    phases["pipeline total"] = sum(float(value) for value in re.findall(r"^TotalTime = ([\d.e-]+)", output, re.M))
+    return phases
+
+
+def profile_rows(spec: Dict) -> Optional[List[dict]]:
+    """One profiled compile per configuration of PROFILED, for where the time goes (not for the ratios: the profile
+    adds its own bookkeeping). None if any run failed."""
+    rows = []
+    for kind, micro_size in PROFILED:
+        print(f"profiling the compile of mindspore {spec['model']} {kind} K={micro_size} ...", flush=True)
+        row = run_one("mindspore", spec["model"], kind, micro_size, 16, 1, timeout=600, profile=True)
+        if row is None:
+            return None
+        rows.append(row)
+    return rows
+
+
+def profile_table(rows: List[dict]) -> str:
+    """Seconds per phase of MindSpore's compile pipeline, side by side; "outside the pipeline" is the Python before and
+    after it (the package's checks, the loss contract's eager pass, Cell.compile's own work)."""
+    names = [f"{row['kind']} K={row['micro_size']}" if row["kind"] != "plain" else "plain" for row in rows]
+    phases = []
+    for row in rows:
+        phases += [name for name, value in row["phases"].items()
+                   if name not in phases and name != "pipeline total" and value >= 0.05]
+    lines = ["| phase (s) | " + " | ".join(names) + " |", "|---" * (len(rows) + 1) + "|"]
+    for name in phases:
+        lines.append(f"| {name} | " + " | ".join(f"{row['phases'].get(name, 0.0):.2f}" for row in rows) + " |")
+    lines.append("| pipeline total | " + " | ".join(f"{row['phases'].get('pipeline total', 0.0):.2f}" for row in rows)
+                 + " |")
+    lines.append("| outside the pipeline | " + " | ".join(
+        f"{row['compile_s'] - row['phases'].get('pipeline total', 0.0):.2f}" for row in rows) + " |")
+    lines.append("| wall | " + " | ".join(f"{row['compile_s']:.2f}" for row in rows) + " |")
+    return "\n".join(lines)
+
+
 def compile_table(rows: List[dict]) -> str:
     lines = ["| model | configuration | batch | compile s | x plain (same batch) | step s | x plain (same batch) |",
              "|---|---|---|---|---|---|---|"]
@@ -368,21 +417,26 @@ def main(argv=None) -> int:
     add_ratios(rows)
     expected = sum(len(configurations(spec, with_torch)) for spec in specs.values())
     compiled = compile_rows(COMPILE_QUICK if args.quick else COMPILE_FULL) if len(rows) == expected else None
+    profiled = profile_rows(PROFILE_FULL) if compiled is not None and not args.quick else None
     report = table(rows)
     checks = targets(rows)
     if compiled is not None:
         report += "\n\nCompile time (minimum of the repeats) and step time:\n\n" + compile_table(compiled)
         checks += compile_targets(compiled)
+    if profiled is not None:
+        report += ("\n\nWhere the compile time goes: MindSpore's compile profile by phase (one profiled compile each, "
+                   f"{PROFILE_FULL['model']}, batch 16):\n\n" + profile_table(profiled))
     machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, Python {platform.python_version()}"
     print("\n" + report + "\n\nTargets:\n" + "\n".join("- " + line for line in checks))
-    if len(rows) != expected or compiled is None:
+    if len(rows) != expected or compiled is None or (profiled is None and not args.quick):
         # A partial table would overwrite the last full one with ratios that are missing their references.
         what = (f"{expected - len(rows)} of {expected} configuration(s)" if len(rows) != expected
                 else "a compile-time configuration")
         print(f"{what} failed (see above); nothing written to {out_dir}", file=sys.stderr)
         return 1
     with open(os.path.join(out_dir, "benchmark.json"), "w", encoding="utf-8") as handle:
-        json.dump({"machine": machine, "quick": args.quick, "rows": rows, "compile_rows": compiled, "targets": checks},
+        json.dump({"machine": machine, "quick": args.quick, "rows": rows, "compile_rows": compiled,
+                   "compile_profile": profiled, "targets": checks},
                   handle, indent=1)
     with open(os.path.join(out_dir, "benchmark.md"), "w", encoding="utf-8") as handle:
         handle.write(f"Measured on {machine}, {'quick' if args.quick else 'full'} mode.\n\n{report}\n\n"

@@ -236,6 +236,11 @@ def torch_step(model: str, kind: str, micro_size: int, x, y):
 def main(framework: str, model: str, kind: str, micro_size: int, batch: int, steps: int) -> None:
     # The baseline is taken after the framework is imported and the data exists, so growth is training's.
     __import__("mindspore" if framework == "mindspore" else "torch")
+    if os.environ.get("BENCH_COMPILE_PROFILE"):
+        # MindSpore's compile profile: the time of each phase of its pipeline, printed when a compile ends (read when
+        # MindSpore's executor starts: set before any cell exists).
+        from mindspore.graph._parse import compile_config  # pylint: disable=import-outside-toplevel
+        compile_config.COMPILE_PROFILE = "1"
     x, y = _data(model, batch)
     rss_base = _rss_mb()
     build = mindspore_step if framework == "mindspore" else torch_step

@@ -250,6 +250,9 @@ class GradAccumulationCell(PrecisionNeutral):
         self.loss_scale = scale
         object.__setattr__(self, "_explicit_weights", weights)   # a plain tuple: the weights stay the network's
         self.gradient_buffers = GradientBuffers()
+        if parallel_mode() not in PARALLEL_PASS_MODES:
+            # The buffers of the weights trained as of now; each compile adjusts them to what it trains (_resolve).
+            self.gradient_buffers.for_weights(list(weights) if weights is not None else network.trainable_params())
         self.engine = MicroBatchGradients(network, micro_size, per_token_loss, overwrite=True,
                                           targets=self._targets, cls_name=_NAME, shared_inputs=shared_inputs,
                                           sum_over_rows=reduction == "sum", check_loss=check_loss,
@@ -337,34 +340,38 @@ class GradAccumulationCell(PrecisionNeutral):
         trained = {id(weight) for weight in differentiated}
         return [param for param in self.network.get_parameters() if id(param) in trained]
 
-    def _resolve(self) -> tuple:
-        """``(weights, buffers)``: the trained weights and their buffers (created when first needed, dropped when
-        unused), resolved from this cell's own graph, where the wrapping train cell is visible, and remembered for
-        the engine, whose graph is compiled apart. check_at_compile raises first when no weight is trained."""
+    def _resolve(self) -> None:
+        """Resolves the trained weights and their buffers (created when first needed, dropped when unused) from this
+        cell's own graph, where the wrapping train cell is visible, once per compile (check_at_compile, the first
+        thing the graph does; every call in PyNative mode). The attributes below and the engine, whose graph is
+        compiled apart, only read the result: reading them creates and deletes nothing."""
         weights = self._trained_weights() or list(self.network.get_parameters())
         resolved = (ParameterTuple(weights), self.gradient_buffers.for_weights(weights))
         object.__setattr__(self, "_resolved", resolved)   # not a Cell attribute: nothing is registered
-        return resolved
 
     def _targets(self) -> tuple:
-        """What :meth:`_resolve` last found (the engine and the replica check read this)."""
+        """``(weights, buffers)`` as last resolved; before the first compile, the weights that would be trained and
+        the buffers that exist (none)."""
         resolved = self.__dict__.get("_resolved")
-        return resolved if resolved is not None else self._resolve()
+        if resolved is None:
+            return (ParameterTuple(self._trained_weights()),
+                    ParameterTuple(list(self.gradient_buffers.get_parameters())))
+        return resolved
 
     @compile_time
     def weights(self) -> ParameterTuple:
-        """The weights whose gradients this cell accumulates, as of now (the graph reads this when it compiles)."""
-        return self._resolve()[0]
+        """The weights whose gradients this cell accumulates (as resolved when the graph last compiled)."""
+        return self._targets()[0]
 
     @compile_time
     def accu_grads(self) -> ParameterTuple:
         """Their ``accu_grads.<weight>`` buffers."""
-        return self._resolve()[1]
+        return self._targets()[1]
 
     @compile_time
     def targets_key(self) -> str:
         # Names the weights for the engine's compile cache, so PyNative mode compiles again when they change.
-        return ",".join(f"{weight.name}#{id(weight)}" for weight in self._resolve()[0])
+        return ",".join(f"{weight.name}#{id(weight)}" for weight in self._targets()[0])
 
     def __call__(self, *args, **kwargs):
         if ms.get_context("mode") == ms.PYNATIVE_MODE:
