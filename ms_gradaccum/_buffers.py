@@ -28,6 +28,7 @@ from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.cells import own_parameters
+from ms_gradaccum._mindspore.graph import primexpr
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE
 from ms_gradaccum._mindspore.version import AUGMENTED_ASSIGNMENT_IN_PLACE
 from ms_gradaccum._microbatch import plan
@@ -43,6 +44,12 @@ def count_unit(batch: int, micro_size: int) -> int:
     """The rows of the largest micro-batch when `batch` rows are split into `micro_size`: the unit in which a mean
     loss counts its rows, so that evenly split micro-batches count exactly 1."""
     return plan(batch, micro_size)[0][1]
+
+
+@primexpr
+def unit_of(batch: int, micro_size: int) -> float:
+    """:func:`count_unit` while a graph compiles (static shapes), as a float."""
+    return float(count_unit(batch, micro_size))
 
 
 def micro_batch_counts(batch: int, micro_size: int, unit: int) -> Tuple[Tuple[int, float], ...]:
@@ -94,11 +101,9 @@ def state_scalar(name: str, value, dtype=mstype.int32) -> Parameter:
 
 
 # --- in-place operations (graph mode: no gradient-sized temporary per weight) ----------------------------------------
-# Each operation over the buffers is one HyperMap: MindSpore expands it into one call per buffer when the graph compiles,
-# where a Python loop over the weights becomes a loop graph per iteration that every compiler pass then walks (measured
-# 2.10.0, a 6-layer transformer LM with 76 weights: the loops added 0.8 s to a 4.4 s compile). The calls run in the
-# order of the tuple (side effects on Parameters keep program order), and each reads its buffer after the previous
-# call has written its own, so temporaries exist one at a time.
+# Each operation over the buffers is one HyperMap, expanded into one call per buffer when the graph compiles: a Python
+# loop over the weights compiles slower (docs/measurements.md, "Why the code is shaped so"). The calls run in the order
+# of the tuple and each reads its buffer after the previous one wrote its own, so temporaries exist one at a time.
 
 _HYPER_MAP = ops.HyperMap()
 _add_into = ops.MultitypeFuncGraph("_add_into")
@@ -130,8 +135,7 @@ def add_gradients(buffers, grads, after):
 
     The writes go last weight first: side effects on Parameters run in program order, and the backward pass
     produces the last layer's gradient first, so in this order each gradient is added, and freed, as soon as it
-    exists instead of all of them waiting for the first layer's (measured on four 1536-wide Dense layers: 9 MB of
-    gradients alive at once instead of 27 MB).
+    exists instead of all of them waiting for the first layer's (docs/measurements.md).
     """
     return ops.depend(after, _HYPER_MAP(_add_into, buffers[::-1], grads[::-1]))
 

@@ -108,7 +108,8 @@ def check_equivalence(make_loss_network: Callable[[], nn.Cell], batches: Sequenc
     a sum rather than a mean (the updates then differ by a factor of about `micro_size`).
 
     The cells themselves check the loss contract on their first step (a forward pass on two micro-batches together,
-    eager where the batch can be reached, against what they combine; ``check_loss``): that stops a sum, a mean times the batch size, or a normalisation over
+    eager where the batch can be reached, against what they combine; ``check_loss``): that stops a sum, a mean times the
+    batch size, or a normalisation over
     the batch before any update, but not a loss that breaks only on some batches, nor effects beyond the loss (batch
     statistics, other state). This function trains several steps and compares the weights, so it sees those too; it
     runs with the cells' check off, to measure how far such a network trains.

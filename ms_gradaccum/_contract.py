@@ -20,7 +20,8 @@ mismatch (a ratio outside [1/1.5, 1.5]) stops. What it cannot see: a loss that b
 The batch is reached where a cell is called from Python: the package cells themselves (called, or compiled as the
 outermost graph: the graph executor's compile is entered on every call, with the call's inputs, see
 _mindspore.patches.GRAPH_COMPILE), and the train cells that hand their inputs unchanged to the package cell
-(``nn.TrainOneStepCell``, ``nn.TrainOneStepWithLossScaleCell``: what Model builds). Elsewhere (a train cell of one's own,
+(``nn.TrainOneStepCell``, ``nn.TrainOneStepWithLossScaleCell``: what Model builds). Elsewhere (a train cell of one's
+own,
 a ``jit`` function, dataset sink mode, dynamic-shape inputs) and where the network does not run eagerly, the graph runs
 the pass itself: one forward copy of the network more in the graph, and its compile time (measured in the benchmark).
 """
@@ -267,6 +268,17 @@ def prepared_for(owner: nn.Cell, inputs: tuple):
     if isinstance(contract, ContractCheck):
         return contract.prepared(engine, inputs)
     return contextlib.nullcontext()
+
+
+class PreparedCalls:
+    """Mixed into the package cells (before ``nn.Cell``): in PyNative mode each call runs the loss contract's eager pass
+    on its batch first (in graph mode that happens where the graph compiles, :func:`around_compile`)."""
+
+    def __call__(self, *args, **kwargs):
+        if ms.get_context("mode") == ms.PYNATIVE_MODE:
+            with prepared_for(self, args):
+                return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
 
 def inner_cell(cell: nn.Cell) -> nn.Cell:

@@ -10,7 +10,8 @@ holds one copy of the network's forward and backward per micro-batch shape: one 
 two for any other. ``value`` and ``count`` are the batch's loss value and count
 as ``_buffers`` defines them (a mean loss counts rows in units of `unit`; a ``(loss_sum, count)`` network its
 count). The owner divides the buffers by ``_buffers.divisor`` and the value by the count. ``value`` and ``count``
-are float32 scalars; ``loss_like`` is zeros of the shape of the network's loss (``()`` or ``(1,)``: MindFormers' models return
+are float32 scalars; ``loss_like`` is zeros of the shape of the network's loss (``()`` or ``(1,)``: MindFormers' models
+return
 ``(1,)``), so that the owner returns its loss in that shape, as MindSpore's train cells do. `key` names the trained
 weights, so that PyNative mode compiles again when they change.
 """
@@ -27,7 +28,9 @@ from ms_gradaccum import _errors
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.patches import GRAPH_COMPILE, ZEROS_LIKE
 from ms_gradaccum._loss_scale import PrecisionNeutral
-from ms_gradaccum._validation import readable
+from ms_gradaccum._spec import LossSpec
+from ms_gradaccum._tokens import LabelWatch, warn_token_mean
+from ms_gradaccum._validation import readable, warn_batch_norm
 from ms_gradaccum._microbatch import (assemble, check_loss_output, input_kinds, input_names, micro_batch,
                                       partition, plan_inputs, split_batch)
 
@@ -51,7 +54,7 @@ class LossShape:
     """The shape of the network's loss, written while the loop body is compiled (:func:`record_loss_shape`) and read
     after the loop (:func:`recorded_loss_shape`). A plain Python object handed to compile-time functions: the loop body
     is the only copy of the network in the graph, so nothing outside it can see the loss's shape otherwise (a value
-    carried out of a graph-mode while loop whose shape is not known before it gets a dynamic shape, measured 2.10.0)."""
+    carried out of a graph-mode while loop gets a dynamic shape)."""
 
     def __init__(self):
         self.shape = None
@@ -118,23 +121,21 @@ class MicroBatchGradients(PrecisionNeutral):
 
     Args:
         network (Cell): The loss network.
-        micro_size (int): The number of micro-batches per batch.
-        per_token_loss (bool): Whether `network` returns ``(loss_sum, count)``.
+        spec (LossSpec): What the owner was told about the loss (_spec).
         overwrite (bool): Whether the first micro-batch overwrites the buffers (a fresh sum per batch) instead of
             adding to what they hold (a sum over a window of batches).
         targets (Callable): Returns ``(weights, buffers)``, the ParameterTuples of the trained weights and their
             buffers; read when the graph compiles.
         cls_name (str): The public cell, for error messages.
-        shared_inputs (tuple): Indices of the inputs every micro-batch receives whole (see :meth:`split_inputs`).
-        labels (LabelWatch): The first step's look at the labels of token-mean losses (_tokens), or None.
+        accumulates (bool): Whether the owner sums several micro-batches or batches per step: the first step's look
+            at the labels of undeclared token-mean losses is armed then (_tokens).
 
     Its ``bprop`` returns zeros for its inputs, so an outer ``GradOperation`` treats it as opaque and does not
     differentiate through the loop (which would recompute everything and hold every activation).
     """
 
-    def __init__(self, network: nn.Cell, micro_size: int, per_token_loss: bool, overwrite: bool,
-                 targets: Callable, cls_name: str, shared_inputs: tuple = (), sum_over_rows: bool = False,
-                 check_loss: bool = True, labels=None):
+    def __init__(self, network: nn.Cell, spec: LossSpec, overwrite: bool, targets: Callable, cls_name: str,
+                 accumulates: bool):
         super().__init__(auto_prefix=False)
         # Around every graph compile: the mark _errors reads, then the loss contract's eager pass (_contract); errors
         # the network raises on a micro-batch say so (_errors).
@@ -142,12 +143,14 @@ class MicroBatchGradients(PrecisionNeutral):
         GRAPH_COMPILE.around(_contract.around_compile)
         GRAPH_COMPILE.decorate_errors(_errors.micro_batch_context)
         GRAPH_COMPILE.install()
-        self.sum_over_rows = sum_over_rows
+        micro_size, per_token_loss = spec.micro_size, spec.per_token_loss
+        self.sum_over_rows = spec.sum_over_rows
         self.scaled_loss = ScaledLoss(network, per_token_loss, cls_name)
-        self.contract = ContractCheck(self.scaled_loss, network, micro_size, per_token_loss, sum_over_rows,
-                                      check_loss and micro_size > 1, cls_name, labels)
+        labels = LabelWatch(network, cls_name, spec.declared or not accumulates)
+        self.contract = ContractCheck(self.scaled_loss, network, micro_size, per_token_loss, spec.sum_over_rows,
+                                      spec.check_loss and micro_size > 1, cls_name, labels)
         self.micro_size = micro_size
-        self.shared_inputs = shared_inputs
+        self.shared_inputs = spec.shared_inputs
         self.input_names = input_names(network)
         self.per_token_loss = per_token_loss
         self.overwrite = overwrite
@@ -187,8 +190,7 @@ class MicroBatchGradients(PrecisionNeutral):
         """Adds one micro-batch's value and count, tracks the smallest and any non-finite count (checked for token
         losses), and keeps the tallies after micro-batch `index` 1 (the first two; the loss contract's check reads
         them). The same tallies for both loss kinds, all float32 (`finite` is 1.0 or 0.0): a bool Tensor carried by a
-        graph-mode while loop made the compile 1.4 s longer on a 6-layer transformer LM (4.7 s without it; measured
-        2.10.0)."""
+        graph-mode while loop compiles slower (docs/measurements.md)."""
         value, count, smallest, finite, pair_value, pair_count = totals
         if self.per_token_loss:
             value, count = value + out[1], count + out[2]
@@ -204,9 +206,8 @@ class MicroBatchGradients(PrecisionNeutral):
     def _accumulate(self, split, others, stop, totals, factor, weight, value_weight, offset):
         # A graph-mode while loop over a Tensor counter is compiled once, whatever the count is, and runs the
         # micro-batches strictly in turn, so micro-batch i's activations are freed before i + 1 starts.
-        # The tallies travel through the loop as one float32 vector: as separate scalars (a float32 flag among them),
-        # MindSpore's allocator reached a higher actual peak (fragmentation: 32 instead of 26 MB on the benchmark conv
-        # net at micro_size 8, 31 instead of 24 MB for AccumulatingTrainOneStepCell over 8 calls; measured 2.10.0).
+        # The tallies travel through the loop as one float32 vector: as separate scalars the allocator fragments
+        # (a higher actual peak, docs/measurements.md).
         i = Tensor(0, mstype.int32)
         packed = ops.stack(totals)
         while i < stop:
@@ -219,11 +220,13 @@ class MicroBatchGradients(PrecisionNeutral):
 
     def _check_counts(self, smallest, finite):
         if finite < 1:
-            raise ValueError(f"For '{self.owner_name}', with per_token_loss=True the count returned by 'network' must be "
+            raise ValueError(f"For '{self.owner_name}', with per_token_loss=True the count returned by 'network' must "
+                             "be "
                              f"a finite number >= 0 (e.g. the number of valid tokens), but a micro-batch returned a "
                              f"non-finite count (inf or nan).")
         if smallest < 0:
-            raise ValueError(f"For '{self.owner_name}', with per_token_loss=True the count returned by 'network' must be "
+            raise ValueError(f"For '{self.owner_name}', with per_token_loss=True the count returned by 'network' must "
+                             "be "
                              f"a finite number >= 0 (e.g. the number of valid tokens), but a micro-batch returned "
                              f"{readable(smallest)}.")
         return smallest
@@ -263,3 +266,12 @@ class MicroBatchGradients(PrecisionNeutral):
         for x in shared:
             shared_zeros += (ZEROS_LIKE(x),)
         return zeros, shared_zeros, 0, 0, ZEROS_LIKE(scale), ZEROS_LIKE(unit), 0
+
+
+def warn_where_inexact(network: nn.Cell, spec: LossSpec, cls_name: str, splits: list) -> None:
+    """The construction warnings of a cell that splits or sums batches (`splits` says how, empty if it does not):
+    BatchNorm, and an undeclared loss that averages over valid tokens (_tokens)."""
+    if splits:
+        warn_batch_norm(network, cls_name, " and ".join(splits))
+        if not spec.declared:
+            warn_token_mean(network, cls_name)

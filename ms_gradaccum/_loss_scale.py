@@ -189,7 +189,8 @@ def for_grad_accumulation_cell(loss_scale: Any, owner: nn.Cell, network: nn.Cell
 def for_train_cell(scale_sense: Any, network: nn.Cell, cls_name: str,
                    managers: tuple = SCALE_MANAGERS) -> Tuple[LossScale, Optional[nn.Cell]]:
     """``(scale, update cell or None)`` from what ``nn.TrainOneStepWithLossScaleCell`` takes as `scale_sense` (an
-    update cell being one of `managers`); the scale lives in a Parameter named ``scale_sense`` (checkpoints carry it)."""
+    update cell being one of `managers`); the scale lives in a Parameter named ``scale_sense`` (checkpoints carry
+    it)."""
     if scale_sense is None:
         return NoScale(cls_name, network, _TRAIN_CELL_FIX), None
     if isinstance(scale_sense, nn.Cell):

@@ -22,7 +22,8 @@ from ms_gradaccum._loss_scale import PrecisionNeutral
 
 
 def data_parallel() -> bool:
-    """Whether data parallel is in force (read when a graph compiles: the context may be set after the cell is built)."""
+    """Whether data parallel is in force (read when a graph compiles: the context may be set after the cell is
+    built)."""
     return parallel_mode() == ms.ParallelMode.DATA_PARALLEL and communication_initialized()
 
 

@@ -1,7 +1,8 @@
 """Losses that average over valid tokens: the exact route (token_sum_loss) and the warning where it is not taken.
 
 A loss such as ``nn.CrossEntropyLoss(ignore_index=-100, reduction='mean')`` divides by the number of labels it does not
-ignore (times their class weights), and MindFormers' ``CrossEntropyLoss`` by the number of unmasked tokens. Micro-batches
+ignore (times their class weights), and MindFormers' ``CrossEntropyLoss`` by the number of unmasked tokens.
+Micro-batches
 with different such counts are not weighted by their rows: only ``(loss_sum, count)`` with ``per_token_loss=True``
 divides the whole batch's sum by the whole batch's count (the bug transformers fixed in 4.46 with
 ``num_items_in_batch``).
@@ -47,7 +48,8 @@ def _describe(name: str, cell: nn.Cell) -> str:
     if _is_mindformers_cross_entropy(cell):
         return f"{name} (MindFormers CrossEntropyLoss: mean over the tokens its input_mask keeps)"
     weighted = ", weighted by class" if cell.weight is not None else ""
-    return f"{name} ({type(cell).__name__}: mean over the labels that are not ignore_index={cell.ignore_index}{weighted})"
+    return (f"{name} ({type(cell).__name__}: mean over the labels that are not "
+            f"ignore_index={cell.ignore_index}{weighted})")
 
 
 def token_mean_cells(network: nn.Cell) -> list:

@@ -31,7 +31,8 @@ def readable(value: Tensor, digits: int = 4) -> Tensor:
     """`value` (a float Tensor, in a graph or not) rounded to `digits` significant digits, for messages that print it.
 
     A float32 printed in full shows the processor's last bits (``1.9999999`` on one machine, ``2.0`` on another);
-    rounded, it prints the same shortest text everywhere (``2.0``, ``11.35``). Zero, inf, nan and magnitudes beyond 10**±10 print as they are.
+    rounded, it prints the same shortest text everywhere (``2.0``, ``11.35``). Zero, inf, nan and magnitudes beyond
+    10**±10 print as they are.
     """
     value = ops.cast(value, mstype.float32)
     size = ops.abs(value)
@@ -82,7 +83,8 @@ def check_input_indices(value: Any, arg_name: str, cls_name: str) -> tuple:
 def check_cell(value: Any, arg_name: str, cls_name: str) -> nn.Cell:
     """Return ``value`` if it is a ``mindspore.nn.Cell``."""
     if not isinstance(value, nn.Cell):
-        raise TypeError(argument_error(cls_name, arg_name, "a mindspore.nn.Cell returning a single-element loss", value))
+        raise TypeError(argument_error(cls_name, arg_name, "a mindspore.nn.Cell returning a single-element loss",
+                                       value))
     return value
 
 

@@ -55,8 +55,9 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._mindspore.patches import Patch
 from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES
+from ms_gradaccum._spec import LossSpec
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
-from ms_gradaccum._validation import argument_error, check_bool, check_input_indices, check_positive_int
+from ms_gradaccum._validation import argument_error, check_bool, check_positive_int
 
 __all__ = ["GradAccumulationWrapper", "check_trainer_config"]
 
@@ -100,24 +101,11 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
     :class:`~ms_gradaccum.AccumulatingTrainOneStepCell`). MindFormers' ``gradient_accumulation_steps`` works only
     under semi-auto/auto parallel and is refused beside this wrapper (it would be reset to 1, or the wrapper replaced).
 
-    MindFormers' keys, as ``MFTrainOneStepCell`` reads them:
-
-    - `scale_sense`: a number or Tensor (fixed), ``nn.DynamicLossScaleUpdateCell``, ``nn.FixedLossScaleUpdateCell`` or
-      MindFormers' ``AdaptiveLossScaleUpdateCell``: every micro-batch's backward runs on the scaled loss, the window
-      sums are unscaled once, and a window whose gradient is not finite is skipped (weights and optimizer state
-      unchanged) while the update cell lowers the scale.
-    - `use_clip_grad` / `max_grad_norm`: MindFormers' ``ClipGradNorm`` on the window's (reduced, unscaled) gradient,
-      once per optimizer step; the global norm is returned.
-    - `use_skip_data_by_global_norm` / `global_norm_spike_threshold`: the optimizer step is skipped when the window
-      gradient's global norm is not below the threshold (computed whether or not it is clipped).
-    - `calculate_per_token_loss`: the model returns ``(loss_sum, token count)`` (its config must say so too) and the
-      gradient is divided by the window's token count (``per_token_loss=True``). When it is False, a model whose loss
-      averages over valid tokens gets this package's warning; pass ``per_token_loss: False`` to say every row holds
-      the same number of valid tokens.
-    - `lr_scheduler`: the learning rate reported is the optimizer's at its current step, as ``MFTrainOneStepCell``
-      reports it. `print_separate_loss` changes nothing for the legacy models this wrapper trains (as in MindFormers).
-    - `local_norm` (per-rank gradient norms of every step) and `grouped_lr_scheduler` are not supported and are
-      refused when set.
+    MindFormers' keys, as ``MFTrainOneStepCell`` reads them: `scale_sense` (a number, MindSpore's update cells or
+    MindFormers' ``AdaptiveLossScaleUpdateCell``; an overflowing window is skipped), `use_clip_grad`/`max_grad_norm`
+    (``ClipGradNorm`` once per optimizer step), `use_skip_data_by_global_norm`/`global_norm_spike_threshold`,
+    `calculate_per_token_loss` (the model returns ``(loss_sum, count)``), `lr_scheduler`, `print_separate_loss`;
+    `local_norm` and `grouped_lr_scheduler` are refused when set. Details: ``docs/design.md``.
 
     Args:
         network (Cell): The model, returning its loss (or ``(loss_sum, count)``).
@@ -167,11 +155,7 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
         self.global_norm = Parameter(Tensor([0.0], mstype.float32), name=f"{_buffers.STATE_PREFIX}.global_norm",
                                      requires_grad=False)
         # Registered under the optimizer as well (the same Parameters): see _WindowState.
-        state = list(self.grad_sums) + [self.window_position, self.epoch_position, self.accumulate_steps,
-                                        self.steps_per_epoch, self.window_loss_sum, self.window_count, self.count_unit,
-                                        self.window_loss, self.global_norm]
-        state += [self.scale_sense] if self.loss_scaled else []
-        optimizer.insert_child_to_cell("grad_accumulation_state", _WindowState(state))
+        optimizer.insert_child_to_cell("grad_accumulation_state", _WindowState(self.state() + [self.global_norm]))
 
     @classmethod
     def with_keys(cls, **keys) -> type:
@@ -202,7 +186,8 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
         return loss, overflow, scale, learning_rate, None
 
     def _learning_rate(self):
-        """The optimizer's learning rate at its current step, as MFTrainOneStepCell reports it (read before the step)."""
+        """The optimizer's learning rate at its current step, as MFTrainOneStepCell reports it (read before the
+        step)."""
         learning_rate = self.optimizer.learning_rate
         if self.optimizer.dynamic_lr:
             if self.optimizer.is_group_lr:
@@ -227,15 +212,12 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
 
 
 def _package_keys(given: dict) -> None:
-    """This package's keys among `given`, checked like the cells' own arguments."""
-    for key in ("micro_size", "accumulate_steps", "steps_per_epoch"):
+    """This package's keys among `given`, checked like the cells' own arguments (the loss keys into a LossSpec)."""
+    for key in ("accumulate_steps", "steps_per_epoch"):
         if given.get(key) is not None:
             check_positive_int(given[key], key, _NAME)
-    for key in ("per_token_loss", "check_loss"):
-        if given.get(key) is not None:
-            check_bool(given[key], key, _NAME)
-    if given.get("shared_inputs") is not None:
-        check_input_indices(given["shared_inputs"], "shared_inputs", _NAME)
+    LossSpec.of(_NAME, **{key: given.get(key) for key in ("micro_size", "per_token_loss", "shared_inputs",
+                                                          "check_loss")})
 
 
 def _loss_kind(per_token_loss: Optional[bool], calculate_per_token_loss: bool) -> Optional[bool]:

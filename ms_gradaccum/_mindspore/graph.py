@@ -37,8 +37,8 @@ class CompileChecks:
             owner.check_at_compile()
         except Exception:
             # In PyNative mode the check runs inside the forward pass a train cell is recording for its gradient; an
-            # error left that recording open, and the next training in the process failed with unrelated shape errors
-            # (measured 2.10.0). MindSpore clears it the same way when a jit compile fails (mindspore/graph/api.py).
+            # error left that recording open, and the next training in the process failed with unrelated shape errors.
+            # MindSpore clears it the same way when a jit compile fails (mindspore/graph/api.py).
             if ms.get_context("mode") == ms.PYNATIVE_MODE:
                 PYNATIVE_EXECUTOR.clear_res()
             raise

@@ -1,7 +1,8 @@
 """The package's changes to MindSpore's process-wide state: each an object with ``install()`` (idempotent) and
 ``uninstall()`` (MindSpore's originals back), installed lazily by the cells that need them.
 
-- :data:`AUTODIFF_ZEROS_LIKE`: autodiff's zero gradients get a ``zeros_like`` of their own, so that custom bprops calling
+- :data:`AUTODIFF_ZEROS_LIKE`: autodiff's zero gradients get a ``zeros_like`` of their own, so that custom bprops
+  calling
   ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside the cells' nested gradient.
 - :data:`GRAPH_COMPILE`: the graph executor's ``compile`` is wrapped, to run hooks around each compile (the loss
   contract's eager pass) and to let the package add context to an error it recognises as its own.

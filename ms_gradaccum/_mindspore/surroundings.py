@@ -206,8 +206,8 @@ def discover(cell: nn.Cell) -> Surroundings:
 
     Not memoised: within one compile the frames differ between reads (a compile-time attribute is read while the graph
     is parsed, the compile checks run later), and frame identities are reused once frames end, so a cache keyed by
-    them returned a description of frames that were gone (measured: a grad call's weights found at parse, none at the
-    checks). Each read walks again; the cells around are cached by the cells on the stack (_enclosing_cells)."""
+    them returned a description of frames that were gone. Each read walks again; the cells around are cached by the
+    cells on the stack (_enclosing_cells)."""
     enclosing = _enclosing_cells(cell)
     optimizer = _optimizer_of(enclosing)
     differentiated = None
