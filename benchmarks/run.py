@@ -138,15 +138,17 @@ def add_ratios(rows: List[dict]) -> None:
 
 
 def table(rows: List[dict]) -> str:
-    head = ("| model | configuration | pool peak MB | x full | pool + Parameters MB | above floor, in parameter bytes | "
+    head = ("| model | configuration | pool peak MB | x full | pool + Parameters MB | above floor, in parameter bytes "
+            "| "
             "RSS growth MB | x full | step s | x full | samples/s | compile s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        def fmt(key, pattern="{:.2f}"):
+        def fmt(key, pattern="{:.2f}", r=r):
             return pattern.format(r[key]) if r.get(key) is not None else "-"
         lines.append(f"| {r['model']} | {label(r)} | {fmt('pool_peak_mb', '{:.0f}')} | {fmt('pool_peak_mb_ratio')} | "
                      f"{fmt('footprint_mb', '{:.0f}')} | {fmt('above_floor_x_weights', '{:+.2f}')} | "
-                     f"{fmt('rss_growth_mb', '{:.0f}')} | {fmt('rss_growth_mb_ratio')} | {fmt('steady_step_s', '{:.3f}')} | "
+                     f"{fmt('rss_growth_mb', '{:.0f}')} | {fmt('rss_growth_mb_ratio')} | "
+                     f"{fmt('steady_step_s', '{:.3f}')} | "
                      f"{fmt('steady_step_s_ratio')} | {fmt('samples_per_s', '{:.0f}')} | {fmt('compile_s')} |")
     return "\n".join(lines)
 
@@ -156,20 +158,25 @@ def targets(rows: List[dict]) -> List[str]:
     out = []
     for model in sorted({r["model"] for r in rows}):
         ms_rows = [r for r in rows if r["model"] == model and r["framework"] == "mindspore"]
-        get = lambda kind, k=None, floor=False: next(  # noqa: E731
+        get = lambda kind, k=None, floor=False, ms_rows=ms_rows: next(  # noqa: E731
             (r for r in ms_rows if r["kind"] == kind and (k is None or r["micro_size"] == k)
              and (r["batch"] < r["full_batch"]) == floor), None)
-        # Flatness from the smallest micro_size > 1: from two micro-batches on, the graph holds the loss contract's check.
-        smallest = min((r["micro_size"] for r in ms_rows if r["kind"] == "accumulate" and r["micro_size"] > 1), default=None)
+        # Flatness from the smallest micro_size > 1: from two micro-batches on, the graph holds the loss contract's
+        # check.
+        smallest = min((r["micro_size"] for r in ms_rows if r["kind"] == "accumulate" and r["micro_size"] > 1),
+                       default=None)
         full, floor, k8, k64 = get("plain"), get("plain", floor=True), get("accumulate", 8), get("accumulate", 64)
         k_small = get("accumulate", smallest) if smallest else None
         if full and floor and k8 and k8.get("pool_peak_mb") and floor.get("pool_peak_mb"):
             bound = 1.25 * (k8["input_mb"] + floor["pool_peak_mb"])
             out.append(f"{model}: K=8 pool peak {k8['pool_peak_mb']} MB vs 1.25 x (input {k8['input_mb']:.1f} + "
-                       f"floor {floor['pool_peak_mb']}) = {bound:.1f} MB -> {'met' if k8['pool_peak_mb'] <= bound else 'MISSED'}"
-                       f" ({k8['pool_peak_mb'] / (bound / 1.25):.2f}x); {full['pool_peak_mb'] / k8['pool_peak_mb']:.1f}x "
+                       f"floor {floor['pool_peak_mb']}) = {bound:.1f} MB -> "
+                       f"{'met' if k8['pool_peak_mb'] <= bound else 'MISSED'}"
+                       f" ({k8['pool_peak_mb'] / (bound / 1.25):.2f}x); "
+                       f"{full['pool_peak_mb'] / k8['pool_peak_mb']:.1f}x "
                        f"below full batch")
-            out.append(f"{model}: K=8 RSS growth {k8['rss_growth_mb']:.0f} MB vs 2 x floor's {floor['rss_growth_mb']:.0f} "
+            out.append(f"{model}: K=8 RSS growth {k8['rss_growth_mb']:.0f} MB vs 2 x floor's "
+                       f"{floor['rss_growth_mb']:.0f} "
                        f"MB -> {'met' if k8['rss_growth_mb'] <= 2 * floor['rss_growth_mb'] else 'MISSED'} "
                        f"({k8['rss_growth_mb'] / floor['rss_growth_mb']:.2f}x)")
         if full:
@@ -180,8 +187,8 @@ def targets(rows: List[dict]) -> List[str]:
                 verdict = f" -> {'met' if worst <= 1.10 else 'MISSED'} (target <= 1.10x)"
                 if model not in ACTIVATION_HEAVY:
                     verdict = " (no target: parameter-heavy, each micro-batch passes over all the weights)"
-                out.append(f"{model}: step time K=2..16 vs full batch: " + ", ".join(f"K={k} {v:.2f}x" for k, v in ratios)
-                           + verdict)
+                out.append(f"{model}: step time K=2..16 vs full batch: "
+                           + ", ".join(f"K={k} {v:.2f}x" for k, v in ratios) + verdict)
         if k_small and k64 and k64 is not k_small:
             ratio = k64["compile_s"] / k_small["compile_s"]
             out.append(f"{model}: compile K=64 {k64['compile_s']:.2f} s vs K={smallest} {k_small['compile_s']:.2f} s = "
@@ -198,7 +205,8 @@ def targets(rows: List[dict]) -> List[str]:
             torch_part = (f"; PyTorch loop K={FLOOR_K} {torch_acc['above_floor_x_weights']:+.2f}x (peak RSS growth)"
                           if torch_acc else "")
             out.append(f"{model}: K={FLOOR_K} memory above the one-micro-batch floor (pool + Parameters): "
-                       f"{k8['above_floor_x_weights']:+.2f}x the weights ({k8['weight_mb']:.1f} MB){verdict}{steps_part}"
+                       f"{k8['above_floor_x_weights']:+.2f}x the weights ({k8['weight_mb']:.1f} "
+                       f"MB){verdict}{steps_part}"
                        f"{torch_part}")
         tokens = get("tokens", FLOOR_K)
         if tokens and k8 and tokens.get("pool_peak_mb") and k8.get("pool_peak_mb"):
@@ -207,16 +215,19 @@ def targets(rows: List[dict]) -> List[str]:
                        f"{k8['steady_step_s']:.3f} s ({tokens['steady_step_s'] / k8['steady_step_s']:.2f}x)")
         o2_full, o2_k8 = get("plain_o2"), get("accumulate_o2", FLOOR_K)
         if o2_full and o2_k8 and o2_k8.get("pool_peak_mb") and o2_full.get("pool_peak_mb"):
-            out.append(f"{model}: fp16 (O2, loss scale) K={FLOOR_K} vs fp16 full batch: pool peak {o2_k8['pool_peak_mb']} "
-                       f"vs {o2_full['pool_peak_mb']} MB ({o2_k8['pool_peak_mb'] / o2_full['pool_peak_mb']:.2f}x), step "
+            out.append(f"{model}: fp16 (O2, loss scale) K={FLOOR_K} vs fp16 full batch: pool peak "
+                       f"{o2_k8['pool_peak_mb']} "
+                       f"vs {o2_full['pool_peak_mb']} MB ({o2_k8['pool_peak_mb'] / o2_full['pool_peak_mb']:.2f}x), "
+                       "step "
                        f"{o2_k8['steady_step_s']:.3f} vs {o2_full['steady_step_s']:.3f} s "
                        f"({o2_k8['steady_step_s'] / o2_full['steady_step_s']:.2f}x)")
         torch_full = next((r for r in rows if r["model"] == model and r["framework"] == "torch" and r["kind"] == "plain"
                            and r["batch"] == r["full_batch"]), None)
-        torch_k8 = next((r for r in rows if r["model"] == model and r["framework"] == "torch" and r["kind"] == "accumulate"),
-                        None)
+        torch_k8 = next((r for r in rows if r["model"] == model and r["framework"] == "torch"
+                         and r["kind"] == "accumulate"), None)
         if torch_full and torch_k8 and full and k8 and model not in ACTIVATION_HEAVY:
-            out.append(f"{model}: step time K={FLOOR_K} vs full batch: ours {k8['steady_step_s'] / full['steady_step_s']:.2f}x,"
+            out.append(f"{model}: step time K={FLOOR_K} vs full batch: ours "
+                       f"{k8['steady_step_s'] / full['steady_step_s']:.2f}x,"
                        f" PyTorch's loop {torch_k8['steady_step_s'] / torch_full['steady_step_s']:.2f}x")
         elif torch_full and torch_k8 and full and k8:
             torch_ratio = torch_full["rss_growth_mb"] / torch_k8["rss_growth_mb"]
@@ -297,7 +308,7 @@ def compile_table(rows: List[dict]) -> str:
              "accumulate_steps": "AccumulatingTrainOneStepCell(..., 1, micro_size=K)"}
     for row in rows:
         plain = _compile_row(rows, row["model"], "plain", 1, row["batch"])
-        ratio = lambda key: f"{row[key] / plain[key]:.2f}" if plain else "-"  # noqa: E731
+        ratio = lambda key, row=row, plain=plain: f"{row[key] / plain[key]:.2f}" if plain else "-"  # noqa: E731
         name = names[row["kind"]] + (f" K={row['micro_size']}" if row["kind"] != "plain" else "")
         lines.append(f"| {row['model']} | {name} | {row['batch']} | {row['compile_s']:.2f} | {ratio('compile_s')} | "
                      f"{row['steady_step_s']:.3f} | {ratio('steady_step_s')} |")
@@ -314,7 +325,7 @@ def compile_targets(rows: List[dict]) -> List[str]:
     in micro_size; and the step time against K plain micro-batch steps, for the record."""
     out = []
     for model in sorted({r["model"] for r in rows}):
-        get = lambda kind, k, batch: _compile_row(rows, model, kind, k, batch)  # noqa: E731
+        get = lambda kind, k, batch, model=model: _compile_row(rows, model, kind, k, batch)  # noqa: E731
         for batch, bound, what in ((16, 1.2, "divisible batch, 16 rows"), (18, 1.4, "ragged batch, 18 rows")):
             plain = get("plain", 1, batch)
             for kind, label in (("accumulate", "GradAccumulationCell"), ("accumulate_steps",
@@ -340,11 +351,13 @@ def compile_targets(rows: List[dict]) -> List[str]:
         k2, k64 = get("accumulate", 2, 64), get("accumulate", 64, 64)
         if k2 and k64:
             ratio = k64["compile_s"] / k2["compile_s"]
-            out.append(f"{model}: compile K=64 {k64['compile_s']:.2f} s vs K=2 {k2['compile_s']:.2f} s = {ratio:.2f}x -> "
+            out.append(f"{model}: compile K=64 {k64['compile_s']:.2f} s vs K=2 {k2['compile_s']:.2f} s = {ratio:.2f}x "
+                       "-> "
                        f"{'met' if ratio <= 1.5 else 'MISSED'} (target <= 1.5x)")
         full, micro, k4 = get("plain", 1, 16), get("plain", 1, 4), get("accumulate", 4, 16)
         if full and micro and k4:
-            out.append(f"{model}: step time K=4 vs full batch {k4['steady_step_s'] / full['steady_step_s']:.2f}x (4 plain "
+            out.append(f"{model}: step time K=4 vs full batch {k4['steady_step_s'] / full['steady_step_s']:.2f}x (4 "
+                       "plain "
                        f"micro-batch steps: {4 * micro['steady_step_s'] / full['steady_step_s']:.2f}x)")
     return out
 
@@ -358,7 +371,8 @@ def plot(rows: List[dict], out_dir: str) -> List[str]:
     for model in sorted({r["model"] for r in rows}):
         mine = sorted((r for r in rows if r["model"] == model and r["kind"] == "accumulate"
                        and r["framework"] == "mindspore"), key=lambda r: r["micro_size"])
-        theirs = sorted((r for r in rows if r["model"] == model and r["kind"] == "mindspore"), key=lambda r: r["micro_size"])
+        theirs = sorted((r for r in rows if r["model"] == model and r["kind"] == "mindspore"),
+                        key=lambda r: r["micro_size"])
         full = next((r for r in rows if r["model"] == model and r["framework"] == "mindspore" and r["kind"] == "plain"
                      and r["batch"] == r["full_batch"]), None)
         floor = next((r for r in rows if r["model"] == model and r["framework"] == "mindspore" and r["kind"] == "plain"
@@ -367,7 +381,8 @@ def plot(rows: List[dict], out_dir: str) -> List[str]:
         panels = [("footprint_mb", "pool peak + Parameters (MB)"), ("steady_step_s", "steady step time (s)"),
                   ("compile_s", "compile (s)")]
         for axis, (key, title) in zip(axes, panels):
-            axis.plot([r["micro_size"] for r in mine], [r[key] for r in mine], "o-", label="ms_gradaccum.GradAccumulationCell")
+            axis.plot([r["micro_size"] for r in mine], [r[key] for r in mine], "o-",
+                      label="ms_gradaccum.GradAccumulationCell")
             if theirs:
                 axis.plot([r["micro_size"] for r in theirs], [r[key] for r in theirs], "s--",
                           label="nn.GradAccumulationCell in TrainOneStepCell (unrolled)")

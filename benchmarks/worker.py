@@ -18,8 +18,10 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
              weights, loss scale 2**10 as Model's FixedLossScaleManager applies it)
              torch: plain | accumulate (the standard loop: loss / K, backward per micro-batch, one step)
 A "step" is always one optimizer update over BATCH samples. Timings: the graph's compilation (Cell.compile on the
-step's inputs, compile_s), the first step and the median of STEPS steady steps. Memory: peak RSS, and its growth over the RSS measured
-after the framework's import and the data's creation (so it holds compilation, weights, activations); MindSpore's pool peak is printed by MindSpore itself at exit.
+step's inputs, compile_s), the first step and the median of STEPS steady steps. Memory: peak RSS, and its growth over
+the RSS measured
+after the framework's import and the data's creation (so it holds compilation, weights, activations); MindSpore's pool
+peak is printed by MindSpore itself at exit.
 It does not hold Parameters, so the bytes of every Parameter the train cell holds (weights, optimizer
 state, accumulation buffers) are reported beside it (param_mb), and the weights' own bytes (weight_mb).
 With DATA_PARALLEL=1 (started by msrun), each rank trains data parallel (gradients averaged, every rank on the same

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "too
 os.environ.setdefault("MS_RETRY_INTERVAL_LOWER", "1")
 os.environ.setdefault("MS_RETRY_INTERVAL_UPPER", "1")
 
-from launch import DEVICE_COUNT_ENV, DEVICE_ENV  # noqa: E402  (tests/tools is on sys.path from here)
+from launch import DEVICE_COUNT_ENV, DEVICE_ENV, INSTALLED_ENV, REPO  # noqa: E402  (tests/tools is on sys.path)
 
 
 def pytest_addoption(parser):
@@ -34,6 +34,14 @@ def pytest_configure(config):
         ms.set_context(device_target=device)
     except (RuntimeError, ValueError) as error:
         raise pytest.UsageError(f"--device {device} cannot be used here: {str(error).splitlines()[0]}") from None
+    if os.environ.get(INSTALLED_ENV):
+        # The installed package is under test (CI's wheel run): a checkout importable from here would hide a module
+        # the wheel lacks.
+        import ms_gradaccum  # pylint: disable=import-outside-toplevel
+        if os.path.abspath(ms_gradaccum.__file__).startswith(REPO + os.sep):
+            raise pytest.UsageError(f"{INSTALLED_ENV} is set, but ms_gradaccum is imported from the checkout "
+                                    f"({ms_gradaccum.__file__}), not the installed package: run pytest from another "
+                                    f"folder, without the checkout on PYTHONPATH")
     # Inherited by every process the tests start (tests/tools, benchmarks/worker.py, the sample, run.sh's ranks).
     os.environ[DEVICE_ENV] = device
     os.environ[DEVICE_COUNT_ENV] = str(count or 1)

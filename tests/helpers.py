@@ -193,7 +193,8 @@ def make_llama(per_token: bool = False) -> nn.Cell:
     return model
 
 
-# --- a loss whose bprop calls mindspore.ops.zeros_like (MindFormers' loss cells do) ------------------------------------
+# --- a loss whose bprop calls mindspore.ops.zeros_like (MindFormers' loss cells do)
+# ------------------------------------
 
 class ZerosLikeFunction(nn.Cell):
     """Log-softmax with its own backward, giving the integer label the gradient ``F.zeros_like(label)``."""

@@ -26,8 +26,8 @@ def test_batches_any_batch_size_matches_full_batch(batch, micro_size):
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     if batch > 1:   # Negative control: dropping the remainder rows (a naive split) is a different update.
         dropped, _, _ = reference_run(make_mlp, ce(), "momentum",
-                                      [(x[:batch // micro_size * micro_size or 1], y[:batch // micro_size * micro_size or 1])
-                                       for x, y in batches])
+                                      [(x[:batch // micro_size * micro_size or 1],
+                                        y[:batch // micro_size * micro_size or 1]) for x, y in batches])
         with pytest.raises(AssertionError, match="differs from the reference"):
             assert_params_close(dropped, expected, **TOLERANCE)
 
@@ -40,7 +40,8 @@ def test_batches_equal_micro_batch_weights_would_fail_reference():
     opt = make_optimizer("sgd", net.trainable_params())
     grads = None
     for start, stop in ((0, 8), (8, 16), (16, 23), (23, 30)):
-        _, g = ms.value_and_grad(nn.WithLossCell(net, ce()), None, opt.parameters)(Tensor(x[start:stop]), Tensor(y[start:stop]))
+        _, g = ms.value_and_grad(nn.WithLossCell(net, ce()), None, opt.parameters)(Tensor(x[start:stop]),
+                                                                                   Tensor(y[start:stop]))
         grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
     opt(tuple(g / 4 for g in grads))
     with pytest.raises(AssertionError, match="differs from the reference"):

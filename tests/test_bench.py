@@ -10,8 +10,8 @@ from launch import REPO, repo_env
 
 def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
     env = repo_env()
-    done = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "run.py"), "--quick", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    command = [sys.executable, os.path.join(REPO, "benchmarks", "run.py"), "--quick", "--out", str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with open(tmp_path / "benchmark.json", encoding="utf-8") as handle:
         result = json.load(handle)
@@ -28,7 +28,8 @@ def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
     assert len(result["targets"]) >= 6
     assert any(line.startswith("mlp: K=8 memory above the one-micro-batch floor (pool + Parameters)")
                for line in result["targets"])
-    assert all(row.get("above_floor_x_weights") is not None for row in result["rows"] if not row["kind"].endswith("_o2"))
+    assert all(row.get("above_floor_x_weights") is not None
+               for row in result["rows"] if not row["kind"].endswith("_o2"))
     assert any(line.startswith("mlp: fp16 (O2, loss scale) K=8 vs fp16 full batch") for line in result["targets"])
     assert any(line.startswith("mlp: token path (loss_sum, count) vs mean loss") for line in result["targets"])
     assert "| mlp | GradAccumulationCell K=8 |" in done.stdout and "above floor, in parameter bytes" in done.stdout

@@ -1,6 +1,7 @@
 """Networks with cells of their own ``bprop`` (MindFormers' loss cells, straight-through estimators): trained exactly
 like the plain full batch, in graph and PyNative mode, also when a bprop calls mindspore.ops.zeros_like (which MindSpore
-cannot compile nested unless autodiff gets a zeros_like of its own: ms_gradaccum/_mindspore/patches.py); where that cannot be arranged, the
+cannot compile nested unless autodiff gets a zeros_like of its own: ms_gradaccum/_mindspore/patches.py); where that
+cannot be arranged, the
 cells name the bprops that call it."""
 import os
 import subprocess
@@ -24,7 +25,8 @@ ZEROS_LIKE = ops.ZerosLike()
 
 
 class LogSoftmaxCustom(nn.Cell):
-    """MindFormers' pattern: the loss's own backward, and a gradient for the integer label (made as `zero_form` says)."""
+    """MindFormers' pattern: the loss's own backward, and a gradient for the integer label (made as `zero_form`
+    says)."""
 
     def __init__(self, zero_form: str):
         super().__init__()
@@ -115,6 +117,7 @@ def _zeros_like_run(wrap, batches, optimizer="momentum"):
     return params_of(net)
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("cell", ["GradAccumulationCell", "AccumulatingTrainOneStepCell"])
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
 def test_bprop_calling_zeros_like_trains_like_the_full_batch_in_graph_mode(cell, optimizer):
@@ -139,7 +142,8 @@ def test_bprop_calling_zeros_like_refused_where_the_way_around_cannot_be_applied
     # A MindSpore laid out otherwise than the versions checked: the cell names the bprops that call the function.
     monkeypatch.setattr(_cell.AUTODIFF_ZEROS_LIKE, "install", lambda: False)
     batches = classification_batches(3, 32)
-    with pytest.raises(RuntimeError, match=r"For 'GradAccumulationCell', the argument 'network' holds cells whose bprop "
+    with pytest.raises(RuntimeError, match=r"For 'GradAccumulationCell', the argument 'network' holds cells whose "
+                                           r"bprop "
                                            r"calls mindspore.ops.zeros_like: log_softmax \(ZerosLikeFunction\)\. .*"
                                            r"AccumulatingTrainOneStepCell\(loss_net, optimizer, 1, micro_size=4\)"):
         _zeros_like_run(_accumulating, batches)
@@ -183,6 +187,7 @@ def test_bprop_zeros_like_detection_finds_calls_not_names_nor_folded_branches():
                                               "6 (UntakenBranch)"]
 
 
+@pytest.mark.lowest
 def test_bprop_way_around_changes_nothing_other_graphs_compute():
     # In a fresh process: importing the package leaves MindSpore as it is; a plain train cell trained before and after
     # a GradAccumulationCell has compiled (which applies the way around) ends bit-identical.

@@ -26,6 +26,7 @@ def accumulated_run(make_net, loss_fn, optimizer, batches, micro_size, wrap=lamb
     return params_of(net), losses
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
 @pytest.mark.parametrize("micro_size", [1, 2, 4, 8])
 def test_cell_matches_full_batch_reference(optimizer, micro_size):

@@ -23,7 +23,8 @@ def _run(make_loss_network, micro_size=4, **kwargs):
 def test_check_passes_for_a_mean_loss_mlp():
     report, text = _run(lambda: nn.WithLossCell(make_mlp(seed=np.random.randint(1000)), _ce()))
     assert isinstance(report, EquivalenceReport) and report.passed and bool(report)
-    assert len(report.parameters) == 6 and all(0 <= row.relative < 1e-3 and row.max_update > 0 for row in report.parameters)
+    assert len(report.parameters) == 6
+    assert all(0 <= row.relative < 1e-3 and row.max_update > 0 for row in report.parameters)
     assert re.search(r"^equivalence check: PASS \(tolerance 0.001", text, re.M), text
     assert "2.weight" in text and "likely cause" not in text
 

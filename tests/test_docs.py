@@ -1,5 +1,6 @@
 """The examples users copy are executed: the docstrings (doctest) and every README example, by name."""
 import doctest
+import glob
 import os
 import re
 import subprocess
@@ -82,6 +83,7 @@ def test_docs_readme_check_example_runs(tmp_path):
     assert "equivalence check: PASS" in _run(tmp_path, "check")
 
 
+@pytest.mark.multiprocess
 def test_docs_readme_data_parallel_example_runs_on_two_ranks(tmp_path):
     script = tmp_path / "data_parallel.py"
     script.write_text(_as_script("data_parallel"), encoding="utf-8")
@@ -89,3 +91,39 @@ def test_docs_readme_data_parallel_example_runs_on_two_ranks(tmp_path):
     for rank in range(2):
         log = (tmp_path / "logs" / f"worker_{rank}.log").read_text(encoding="utf-8", errors="replace")
         assert len(re.findall(r"loss is ", log)) == 2, log[-2000:]   # LossMonitor(4): 4 steps of 2 epochs per rank
+
+
+def _audit_test_names():
+    """``(module, function)`` for every test docs/audit.md names: ``test_file::test_name[params]``, ``test_file::*``
+    (the whole module: function ``*``) or a bare ``test_name`` (module ``""``: the one its name starts with, as every
+    test here is named)."""
+    text = open(os.path.join(REPO, "docs", "audit.md"), encoding="utf-8").read()
+    names = []
+    for token in re.findall(r"`((?:tests/)?test_[^`]*)`", text):
+        module, _, function = token.rpartition("::")
+        module = module.replace("tests/", "").replace(".py", "")
+        function = re.split(r"[\[\s(]", function)[0]
+        names.append((module, function))
+    return names
+
+
+def test_docs_audit_names_only_tests_that_exist():
+    names = _audit_test_names()
+    assert len(names) > 100, len(names)   # the audit names its tests; a parse that finds none would pass vacuously
+    modules = {os.path.basename(path)[:-3] for path in glob.glob(os.path.join(REPO, "tests", "test_*.py"))}
+    defined = {}
+    missing = []
+    for module, function in names:
+        if not module:
+            candidates = [m for m in modules if function.startswith(m + "_") or function == m]
+            module = max(candidates, key=len) if candidates else "?"
+        if function == "*":
+            assert module in modules, f"docs/audit.md names a test module that does not exist: {module}"
+            continue
+        if module not in defined:
+            path = os.path.join(REPO, "tests", f"{module}.py")
+            source = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+            defined[module] = set(re.findall(r"^def (test_\w+)\(", source, re.M))
+        if function not in defined[module]:
+            missing.append(f"{module}::{function}")
+    assert not missing, f"docs/audit.md names tests that do not exist: {missing}"

@@ -59,7 +59,8 @@ def test_inputs_single_element_loss_trains_exactly_and_keeps_its_shape(mode, cel
     assert_params_close(actual, expected, rtol=1e-5, atol=1e-6)
     assert all(loss.shape == (1,) for loss in losses + expected_losses)   # the network's shape, as MindSpore's cells
     np.testing.assert_allclose([float(v.asnumpy()[0]) for v in losses],
-                               [float(v.asnumpy()[0]) for v in expected_losses], rtol=2e-3 if dtype == ms.float16 else 1e-5)
+                               [float(v.asnumpy()[0]) for v in expected_losses],
+                               rtol=2e-3 if dtype == ms.float16 else 1e-5)
 
 
 class SharedInputsLoss(nn.Cell):

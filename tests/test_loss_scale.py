@@ -77,6 +77,7 @@ def _model_run(network_of, drop_overflow_update=False, amp_level="O2"):
     return params_of(net), initial
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("amp_level", [pytest.param("O2", marks=_LOSS_IN_FLOAT16),
                                        pytest.param("O3", marks=_LOSS_IN_FLOAT16), "backbone"])
 def test_loss_scale_model_amp_fixed_manager_trains_like_full_batch(amp_level):
@@ -177,8 +178,9 @@ def test_loss_scale_model_with_accumulating_cell_and_loss_monitor(capsys):
     (dict(scale_sense=True), TypeError, "the argument 'scale_sense' must be a positive finite float"),
     (dict(scale_sense="1024"), TypeError, "the argument 'scale_sense' must be a positive finite float"),
     (dict(scale_sense=0.0), ValueError, "the argument 'scale_sense' must be a positive finite float"),
-    (dict(scale_sense=-8), ValueError, "the argument 'scale_sense' must be a positive finite float, a scalar Tensor, "
-                                       "nn.DynamicLossScaleUpdateCell or nn.FixedLossScaleUpdateCell, but got -8 (int)"),
+    (dict(scale_sense=-8), ValueError,
+     "the argument 'scale_sense' must be a positive finite float, a scalar Tensor, "
+     "nn.DynamicLossScaleUpdateCell or nn.FixedLossScaleUpdateCell, but got -8 (int)"),
     (dict(scale_sense=float("inf")), ValueError, "the argument 'scale_sense' must be a positive finite float"),
     (dict(scale_sense=Tensor(np.ones(2, np.float32))), ValueError,
      "the argument 'scale_sense' must be a scalar Tensor (shape () or (1,))"),
@@ -186,7 +188,8 @@ def test_loss_scale_model_with_accumulating_cell_and_loss_monitor(capsys):
      "Tensor, nn.DynamicLossScaleUpdateCell or nn.FixedLossScaleUpdateCell, but got ReLU() (ReLU)"),
     (dict(max_grad_norm=0), ValueError, "the argument 'max_grad_norm' must be None or a positive float, but got 0"),
     (dict(max_grad_norm=-1.0), ValueError, "the argument 'max_grad_norm' must be None or a positive float"),
-    (dict(max_grad_norm=True), TypeError, "the argument 'max_grad_norm' must be None or a positive float, but got True"),
+    (dict(max_grad_norm=True), TypeError,
+     "the argument 'max_grad_norm' must be None or a positive float, but got True"),
     (dict(max_grad_norm="1"), TypeError, "the argument 'max_grad_norm' must be None or a positive float, but got '1'"),
 ])
 def test_loss_scale_bad_arguments_rejected(kwargs, error, message):
@@ -203,7 +206,8 @@ def test_loss_scale_optimizer_loss_scale_with_scale_sense_rejected():
 
 
 @pytest.mark.parametrize("loss_scale, error, message", [
-    (True, TypeError, "the argument 'loss_scale' must be None, a positive finite float, or a scalar Tensor or Parameter, but got True (bool)"),
+    (True, TypeError, "the argument 'loss_scale' must be None, a positive finite float, or a scalar Tensor or "
+                      "Parameter, but got True (bool)"),
     (0, ValueError, "the argument 'loss_scale' must be None, a positive finite float"),
     (float("nan"), ValueError, "the argument 'loss_scale' must be None, a positive finite float"),
 ])

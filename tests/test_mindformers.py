@@ -25,6 +25,8 @@ from mindformers.wrapper.adaptive_loss_scale import AdaptiveLossScaleUpdateCell 
 from ms_gradaccum.mindformers import check_trainer_config, GradAccumulationWrapper  # noqa: E402
 from mf_trainer import token_rows  # noqa: E402
 
+pytestmark = pytest.mark.realmodels
+
 TOOL = os.path.join(REPO, "tests", "tools", "mf_trainer.py")
 FRACTION = 1e-3   # of each parameter's own update, as in test_real_models (float32 summation order)
 
@@ -165,6 +167,7 @@ def test_mindformers_trainer_resumed_mid_window_ends_like_the_uninterrupted_run(
     assert max(update_ratios(weights(control), weights(full), params_of(make_llama())).values()) > 0.01
 
 
+@pytest.mark.multiprocess
 def test_mindformers_trainer_data_parallel_on_two_ranks(tmp_path):
     require_ranks(2)
     spec = dict(rows="plain", count=32, batch=4, keys={"micro_size": 2, "accumulate_steps": 2}, parallel=True)
@@ -179,7 +182,8 @@ def test_mindformers_trainer_data_parallel_on_two_ranks(tmp_path):
     assert_updates_close(weights(ranks[0]), expected, initial, fraction=FRACTION)
 
 
-# --- the keys, in the process (no Trainer: the wrapper as MindFormers builds it) ---------------------------------------
+# --- the keys, in the process (no Trainer: the wrapper as MindFormers builds it)
+# ---------------------------------------
 
 def _wrapper(**keys):
     model = make_llama()

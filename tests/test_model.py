@@ -46,6 +46,7 @@ def test_model_subclass_named_like_mindspore_cell_still_trains():
     assert not _is_grad_accumulation(GradAccumulation(nn.WithLossCell(make_mlp(), ce()), 2))
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("sink", [False, True])
 def test_model_train_matches_reference_and_loss_monitor_prints_full_batch_loss(sink, capsys):
     ref_net = make_mlp()
@@ -81,6 +82,7 @@ def test_model_mindspore_own_cell_trains_nothing_outside_parallel():
     assert losses[0] == pytest.approx(4 * full_batch_losses[0], rel=1e-4)
 
 
+@pytest.mark.lowest
 def test_model_checkpoint_loads_into_bare_network_and_resumes_exactly(tmp_path):
     net = make_mlp()
     cell = GradAccumulationCell(nn.WithLossCell(net, ce()), 4)

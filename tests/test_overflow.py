@@ -28,6 +28,7 @@ def _poisoned(x, rows):
     return x
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_overflow_in_one_micro_batch_skips_the_step_exactly(where):
     micro = BATCH // K

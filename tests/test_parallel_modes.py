@@ -231,7 +231,8 @@ def test_parallel_modes_dynamic_loss_scale_wrapper_is_refused_with_the_fix():
     assert _CompilingFrame(fixed).compile(lambda: cell.loss_scale.value) == 2.0 ** 10
 
 
-# --- a batch the parallel pass cannot split into equal micro-batches ---------------------------------------------------
+# --- a batch the parallel pass cannot split into equal micro-batches
+# ---------------------------------------------------
 
 def _ragged(rows):
     x, y = classification_batches(1, rows)[0]

@@ -2,7 +2,6 @@
 with custom bprops and a (1,) loss, -100 labels, right-padded ragged batches through the token route, shared position
 ids, Model.train), through both cells in graph mode and GradAccumulationCell in PyNative mode, and mindcv's ViT.
 Skipped, saying why, where a library is absent."""
-import warnings
 
 import numpy as np
 import mindspore as ms
@@ -15,6 +14,8 @@ from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, tok
 from helpers import (assert_params_moved, assert_updates_close, ce, classification_batches, LLAMA_SEQ as SEQ,
                      LLAMA_VOCAB as VOCAB, make_llama, make_optimizer, params_of, RecordLoss, update_ratios)
 
+pytestmark = pytest.mark.realmodels
+
 mindformers = pytest.importorskip("mindformers", reason="MindFormers is not installed (.ci/run installs 2.1.0)")
 mindcv = pytest.importorskip("mindcv", reason="mindcv is not installed (.ci/run installs it)")
 
@@ -25,7 +26,8 @@ FRACTION = 1e-3   # check_equivalence's tolerance; measured worst: 3.7e-4 (atten
 MOVED = dict(min_change=1e-6)
 MODES = [pytest.param(ms.GRAPH_MODE, id="graph"), pytest.param(ms.PYNATIVE_MODE, id="pynative")]
 # (mode, cell): both cells in graph mode (MindFormers' loss cells have bprops calling mindspore.ops.zeros_like, which
-# GradAccumulationCell's nested gradient compiles through ms_gradaccum/_mindspore/patches.py), GradAccumulationCell in PyNative mode.
+# GradAccumulationCell's nested gradient compiles through ms_gradaccum/_mindspore/patches.py), GradAccumulationCell in
+# PyNative mode.
 WAYS = [pytest.param(ms.GRAPH_MODE, "GradAccumulationCell", id="graph-GradAccumulationCell"),
         pytest.param(ms.GRAPH_MODE, "AccumulatingTrainOneStepCell", id="graph-AccumulatingTrainOneStepCell"),
         pytest.param(ms.PYNATIVE_MODE, "GradAccumulationCell", id="pynative-GradAccumulationCell")]
@@ -79,7 +81,8 @@ def test_real_models_llama_own_loss_trains_like_the_full_batch(mode, cell, optim
     _report("llama_own_loss_trains_like_the_full_batch", actual, expected, initial)
     assert_updates_close(actual, expected, initial, fraction=FRACTION)
     assert all(loss.shape == (1,) for loss in losses)        # MindFormers' loss shape, as its train cells return it
-    np.testing.assert_allclose([l.asnumpy() for l in losses], [l.asnumpy() for l in expected_losses], rtol=1e-5)
+    np.testing.assert_allclose([loss.asnumpy() for loss in losses], [loss.asnumpy() for loss in expected_losses],
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode, cell", WAYS)
@@ -101,8 +104,8 @@ def test_real_models_llama_ragged_masked_batches_through_the_token_route(mode, c
     assert_params_moved(expected, initial, **MOVED)
     _report("llama_ragged_masked_batches_through_the_token_route", actual, expected, initial)
     assert_updates_close(actual, expected, initial, fraction=FRACTION)
-    np.testing.assert_allclose([float(l.asnumpy().reshape(-1)[0]) for l in losses],
-                               [float(l.asnumpy().reshape(-1)[0]) for l in expected_losses], rtol=1e-5)
+    np.testing.assert_allclose([float(loss.asnumpy().reshape(-1)[0]) for loss in losses],
+                               [float(loss.asnumpy().reshape(-1)[0]) for loss in expected_losses], rtol=1e-5)
     # Negative control: MindFormers' mean per micro-batch, weighted by rows (declared so: no warning).
     control, _, _ = _train(make_llama(), accumulating(cell, per_token_loss=False), batches)
     with pytest.raises(AssertionError, match="differs from the reference by"):

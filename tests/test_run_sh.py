@@ -11,6 +11,8 @@ import pytest
 
 from launch import REPO, free_port, repo_env, require_ranks, suite_device
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _processes_with_env(marker: str, rank: int) -> list:
     """PIDs of train.py processes of this test run (found by a marker variable) with RANK_ID=rank."""
@@ -147,8 +149,8 @@ def test_run_sh_killed_job_resumes_and_ends_as_the_uninterrupted_run(tmp_path):
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_run_sh_help_prints_its_usage_and_the_samples_options_once(flag):
-    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "4", flag], capture_output=True, text=True, timeout=120, check=False,
-                          env=repo_env())
+    done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "4", flag], capture_output=True, text=True,
+                          timeout=120, check=False, env=repo_env())
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("The main job: train the sample") == 1           # run.sh's own usage
     assert done.stdout.count("--micro-size MICRO_SIZE") == 1                   # the sample's options, once
@@ -175,7 +177,8 @@ _MISSING_DEVICE = "Ascend" if suite_device() == "GPU" else "GPU"
 @pytest.mark.parametrize("env, args, message", [
     (dict(NNODES="two"), [], "NNODES must be a positive integer, but got 'two'"),
     (dict(NNODES="0"), [], "NNODES must be a positive integer, but got '0'"),
-    (dict(NNODES="2", NODE_RANK="-1", MASTER_PORT="8118"), [], "NODE_RANK must be a non-negative integer, but got '-1'"),
+    (dict(NNODES="2", NODE_RANK="-1", MASTER_PORT="8118"), [],
+     "NODE_RANK must be a non-negative integer, but got '-1'"),
     (dict(NNODES="2", NODE_RANK="2", MASTER_PORT="8118"), [], "NODE_RANK must be less than NNODES=2, but got '2'"),
     (dict(MASTER_PORT="70000"), [], "MASTER_PORT must be an integer from 1 to 65535, but got '70000'"),
     (dict(NNODES="2", NODE_RANK="1"), [], "MASTER_PORT must be set (the same on every node) when NNODES=2 > 1"),

@@ -76,7 +76,8 @@ def test_scheduler_without_epoch_zero_uses_one_until_first_key_and_copies_the_di
 
 
 @pytest.mark.parametrize("scheduling, error, message", [
-    ([(0, 4)], TypeError, "the argument 'scheduling' must be a dict {epoch: accumulate_steps}, but got [(0, 4)] (list)"),
+    ([(0, 4)], TypeError,
+     "the argument 'scheduling' must be a dict {epoch: accumulate_steps}, but got [(0, 4)] (list)"),
     ({}, ValueError, "the argument 'scheduling' must be a non-empty dict"),
     ({-1: 4}, ValueError, "every key of 'scheduling' must be a zero-based epoch (int >= 0), but got -1 (int)"),
     ({1.0: 4}, TypeError, "every key of 'scheduling' must be a zero-based epoch (int >= 0), but got 1.0 (float)"),
@@ -186,7 +187,8 @@ def test_scheduler_windows_follow_the_batches_run_whatever_sink_size_says(sink_s
 
 def _windows_of_six_batches(batches):
     """Full-batch training over windows 4 + 2 of six batches, twice: what CPU runs for every sink_size above."""
-    expected, _, _ = reference_run(make_mlp, ce(), "sgd", [_merged(batches, range(4)), _merged(batches, range(4, 6))] * 2)
+    windows = [_merged(batches, range(4)), _merged(batches, range(4, 6))] * 2
+    expected, _, _ = reference_run(make_mlp, ce(), "sgd", windows)
     return expected
 
 
@@ -198,7 +200,8 @@ def test_scheduler_epoch_stopped_early_applies_what_it_ran():
 
     batches = classification_batches(8, 8)
     expected, _, _ = reference_run(make_mlp, ce(), "sgd", [
-        tuple(np.concatenate(part) for part in zip(*batches[:4])), tuple(np.concatenate(part) for part in zip(*batches[4:5]))])
+        tuple(np.concatenate(part) for part in zip(*batches[:4])),
+        tuple(np.concatenate(part) for part in zip(*batches[4:5]))])
     net, cell, model = _model()
     model.train(1, _dataset(), callbacks=[GradAccumulationScheduler({0: 4}), StopAfter()], dataset_sink_mode=False)
     assert_params_close(params_of(net), expected, rtol=1e-5, atol=1e-6)

@@ -43,6 +43,7 @@ def _run(cell, net, batches):
     return snapshots, losses
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
 def test_steps_match_full_batch_reference_and_hold_weights_between_steps(optimizer):
     k, windows = 4, 3
@@ -146,6 +147,7 @@ def _train_state(cell):
     return {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("stop_after", [5, 6, 7])
 def test_steps_resume_mid_window_equals_uninterrupted_run(tmp_path, stop_after):
     batches = classification_batches(10, 8)
@@ -179,14 +181,16 @@ def test_steps_resume_mid_window_equals_uninterrupted_run(tmp_path, stop_after):
     (dict(accumulate_steps=2.5), TypeError, "the argument 'accumulate_steps' must be a positive int, but got 2.5"),
     (dict(steps_per_epoch=0), ValueError, "the argument 'steps_per_epoch' must be a positive int, but got 0 (int)"),
     (dict(optimizer="sgd"), TypeError, "the argument 'optimizer' must be a mindspore.nn.Optimizer, but got 'sgd'"),
-    (dict(network=None), TypeError, "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss"),
+    (dict(network=None), TypeError,
+     "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss"),
 ])
 def test_steps_bad_arguments_rejected(kwargs, error, message):
     net = make_mlp()
     arguments = dict(network=nn.WithLossCell(net, ce()), optimizer=nn.SGD(net.trainable_params(), 0.1),
                      accumulate_steps=2, steps_per_epoch=None)
     arguments.update(kwargs)
-    with pytest.raises(error, match="For 'AccumulatingTrainOneStepCell', " + message.replace("(", r"\(").replace(")", r"\)")):
+    pattern = "For 'AccumulatingTrainOneStepCell', " + message.replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(error, match=pattern):
         AccumulatingTrainOneStepCell(**arguments)
 
 

@@ -33,14 +33,16 @@ def _token_reference(optimizer, batches):
 
 def _run_cell(optimizer, batches, mode="sum_count", micro_size=K):
     net = make_token_net()
-    # A control ("mean": a token mean per micro-batch) trains the inexact way on purpose: the contract check would stop it.
-    step = nn.TrainOneStepCell(GradAccumulationCell(TokenLoss(net, mode), micro_size, per_token_loss=mode == "sum_count",
-                                                    check_loss=mode == "sum_count"),
+    # A control ("mean": a token mean per micro-batch) trains the inexact way on purpose: the contract check would stop
+    # it.
+    step = nn.TrainOneStepCell(GradAccumulationCell(TokenLoss(net, mode), micro_size,
+                                                    per_token_loss=mode == "sum_count", check_loss=mode == "sum_count"),
                                make_optimizer(optimizer, net.trainable_params()))
     losses = train_steps(step, batches)
     return params_of(net), losses
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_tokens_cell_matches_global_token_mean(optimizer):
     batches = token_batches(3, VALID)
@@ -69,6 +71,7 @@ def test_tokens_ragged_batch_with_token_counts():
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("micro", [False, True], ids=["window", "micro_batches"])
 def test_tokens_accumulating_cell_divides_by_the_window_count(micro):
     dense, sparse = token_batches(2, VALID), token_batches(2, [1] * 16, seed=5)
@@ -100,7 +103,8 @@ def test_tokens_flush_divides_a_partial_window_by_its_count():
     batches = token_batches(3, VALID)
     expected, _ = _token_reference("sgd", [tuple(np.concatenate(parts) for parts in zip(*batches))])
     net = make_token_net()
-    cell = AccumulatingTrainOneStepCell(TokenLoss(net), make_optimizer("sgd", net.trainable_params()), 4, per_token_loss=True)
+    cell = AccumulatingTrainOneStepCell(TokenLoss(net), make_optimizer("sgd", net.trainable_params()), 4,
+                                        per_token_loss=True)
     for batch in batches:
         cell(*(Tensor(a) for a in batch))
     assert cell.flush() is True
@@ -162,7 +166,8 @@ def test_tokens_per_token_loss_with_a_scalar_loss_is_refused():
     cell = GradAccumulationCell(nn.WithLossCell(net, ce()), K, per_token_loss=True)
     x, y = classification_batches(1, 16)[0]
     with pytest.raises(ValueError, match=re.escape(
-            "with per_token_loss=True the argument 'network' must return a tuple (loss_sum, count) of two single-element Tensors "
+            "with per_token_loss=True the argument 'network' must return a tuple (loss_sum, count) of two "
+            "single-element Tensors "
             "(e.g. the sum of a masked token loss and the number of valid tokens), but it returned a single Tensor of "
             "shape (). Return (loss_sum, count), or set per_token_loss=False for a mean loss.")):
         cell(Tensor(x), Tensor(y))
@@ -420,6 +425,7 @@ class _NLLOfLogits(nn.Cell):
         return self.nll(ops.log_softmax(logits, -1), labels)
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("cell", ["GradAccumulationCell", "AccumulatingTrainOneStepCell"])
 def test_tokens_tutorial_loss_with_ignored_labels_is_warned_or_stopped(cell):
     # The same loss where the update can differ: ignored labels in the batch (here in the last micro-batch, which the
@@ -457,7 +463,8 @@ def test_tokens_sequence_labels_are_warned_on_the_first_step():
     x = Tensor(rng.randn(16, 5, 16).astype(np.float32))
     y = Tensor(rng.randint(0, 4, (16, 5)).astype(np.int32))
     net = make_mlp()
-    step = nn.TrainOneStepCell(GradAccumulationCell(SequenceLoss(net), K), make_optimizer("sgd", net.trainable_params()))
+    step = nn.TrainOneStepCell(GradAccumulationCell(SequenceLoss(net), K),
+                               make_optimizer("sgd", net.trainable_params()))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         step(x, y)

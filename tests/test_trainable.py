@@ -56,6 +56,7 @@ def _plain(freeze_after, optimizer="momentum"):
     return _staged(lambda loss_net: loss_net, True, freeze_after, optimizer=optimizer)[0]
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
 @pytest.mark.parametrize("how", ["train_one_step", "model", "functional", "accumulating"])
 def test_trainable_layer_unfrozen_after_wrapping_is_trained(how, mode):
@@ -215,10 +216,12 @@ def _functional_with_frozen_in_weights(wrap, style):
     return _all_params(net)
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
 @pytest.mark.parametrize("style", ["cell", "forward_fn", "jit_closure", "jit_global", "jit_helper"])
 def test_trainable_functional_weights_are_followed_including_frozen_ones(style, mode, monkeypatch):
-    # Without a train cell, the weights are those of the value_and_grad call (found on the stack: _mindspore.surroundings).
+    # Without a train cell, the weights are those of the value_and_grad call (found on the stack:
+    # _mindspore.surroundings).
     ms.set_context(mode=mode)
     expected = _functional_with_frozen_in_weights(lambda loss_net: loss_net, style)
     actual = _functional_with_frozen_in_weights(lambda loss_net: GradAccumulationCell(loss_net, K), style)
@@ -303,7 +306,8 @@ def test_trainable_weights_leaving_out_what_the_optimizer_updates_are_refused():
     cell = GradAccumulationCell(nn.WithLossCell(net, ce()), K, weights=net.trainable_params()[2:])
     x, y = classification_batches(1, BATCH)[0]
     with pytest.raises(ValueError, match=r"the argument 'weights' must hold every weight of the network that the "
-                                         r"wrapping optimizer updates, but it leaves out 0\.weight, 0\.bias \(2 in all\)"):
+                                         r"wrapping optimizer updates, but it leaves out 0\.weight, 0\.bias \(2 in "
+                                         r"all\)"):
         nn.TrainOneStepCell(cell, opt)(Tensor(x), Tensor(y))
 
 

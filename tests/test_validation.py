@@ -31,8 +31,10 @@ def test_validation_micro_size_rejected(micro_size, error, message):
 
 
 @pytest.mark.parametrize("network, message", [
-    (None, "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss, but got None (NoneType)"),
-    (lambda x, y: x, "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss, but got <function"),
+    (None,
+     "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss, but got None (NoneType)"),
+    (lambda x, y: x, "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss, but got "
+                     "<function"),
     ("net", "the argument 'network' must be a mindspore.nn.Cell returning a single-element loss, but got 'net' (str)"),
 ])
 def test_validation_network_not_a_cell_rejected(network, message):
@@ -147,7 +149,8 @@ def test_validation_other_tuple_outputs_rejected_with_per_token_loss(kind, descr
 
 @pytest.mark.parametrize("value, shown", [(1, "1 (int)"), (0, "0 (int)"), ("yes", "'yes' (str)")])
 def test_validation_per_token_loss_not_a_bool_rejected(value, shown):
-    with pytest.raises(TypeError, match=re.escape(f"For 'GradAccumulationCell', the argument 'per_token_loss' must be a "
+    with pytest.raises(TypeError, match=re.escape("For 'GradAccumulationCell', the argument 'per_token_loss' must be "
+                                                  "a "
                                                   f"bool, but got {shown}.")):
         GradAccumulationCell(_loss_net(), 2, per_token_loss=value)
     if value is not None:   # None is AccumulatingTrainOneStepCell's default: False, or its GradAccumulationCell's

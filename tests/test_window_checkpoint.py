@@ -5,9 +5,12 @@ import os
 
 import numpy as np
 import mindspore as ms
+import pytest
 from mindspore import nn, Parameter, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell
+
+pytestmark = pytest.mark.lowest
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "steps_mid_window_0.1.0.ckpt")
 STATE = {"accu_state.window_position", "accu_state.epoch_position", "accu_state.accumulate_steps",

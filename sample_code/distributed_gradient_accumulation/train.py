@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="batches per optimizer step (AccumulatingTrainOneStepCell, each epoch's last window "
                              "closed); 1: GradAccumulationCell, the tutorial's")
     parser.add_argument("--save-dir", default=os.path.join(os.environ.get("LOG_DIR", "log_output"), "checkpoints"),
-                        help="checkpoints go to SAVE_DIR/rank_<N>/ (default: $LOG_DIR/checkpoints, run.sh's log folder)")
+                        help="checkpoints go to SAVE_DIR/rank_<N>/ (default: $LOG_DIR/checkpoints, run.sh's log "
+                             "folder)")
     parser.add_argument("--save-steps", type=int, default=0,
                         help="save a checkpoint every this many steps as well as at the end of every epoch (0: epochs "
                              "only)")
@@ -79,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "micro_size", "check_steps", "accumulate_steps", "keep_checkpoints"):
         if getattr(args, name) < 1:
-            parser.error(f"argument --{name.replace('_', '-')}: must be a positive integer, but got {getattr(args, name)}")
+            parser.error(f"argument --{name.replace('_', '-')}: must be a positive integer, but got "
+                         f"{getattr(args, name)}")
     if args.micro_size > args.batch_size:
         parser.error(f"argument --micro-size: must be at most --batch-size ({args.batch_size}) so that every "
                      f"micro-batch holds at least one sample, but got {args.micro_size}")
@@ -94,10 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         missing = [name for pair in FILES.values() for name in pair
                    if not os.path.isfile(os.path.join(args.data_path, name))]
         if missing:
+            found = "it does not exist" if not os.path.isdir(args.data_path) else "it lacks " + ", ".join(missing)
             parser.error(f"--data-path / DATA_PATH {args.data_path!r} must be a folder with MNIST's four idx files "
-                         f"({', '.join(name for pair in FILES.values() for name in pair)}), but "
-                         f"{'it does not exist' if not os.path.isdir(args.data_path) else 'it lacks ' + ', '.join(missing)}"
-                         f". Unset DATA_PATH to use the built-in digits.")
+                         f"({', '.join(name for pair in FILES.values() for name in pair)}), but {found}. Unset "
+                         f"DATA_PATH to use the built-in digits.")
     mode = resolve_parallel_mode(args.parallel_mode, args.device_target, launched_ranks())
     if args.device_target == "CPU" and mode in ("semi_auto_parallel", "auto_parallel"):
         parser.error(f"--parallel-mode {mode} cannot run on CPU (MindSpore compiles these modes for GPU and Ascend "
@@ -246,7 +248,8 @@ def prepare_checkpoints(args, model: Model, rank: int, group: int, steps: int) -
     removed = remove_checkpoints(folder, after=step)   # this rank's steps past what every rank completed
     epoch, in_epoch = divmod(step, steps)
     say(f"resumed from {path}: global step {step} (epoch {epoch + 1 if in_epoch else epoch}, step "
-        f"{in_epoch or steps} of {steps}){f'; removed {removed} newer checkpoint(s) not every rank completed' if removed else ''}")
+        f"{in_epoch or steps} of "
+        f"{steps}){f'; removed {removed} newer checkpoint(s) not every rank completed' if removed else ''}")
     return step
 
 

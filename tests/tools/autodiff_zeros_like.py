@@ -28,7 +28,8 @@ def main():
     from helpers import ZerosLikeLoss  # pylint: disable=import-outside-toplevel
     print(f"after import: {zeros_like_impl.F.__name__}")
     net = make_mlp()
-    step = nn.TrainOneStepCell(GradAccumulationCell(ZerosLikeLoss(net), 4), make_optimizer("sgd", net.trainable_params()))
+    step = nn.TrainOneStepCell(GradAccumulationCell(ZerosLikeLoss(net), 4),
+                               make_optimizer("sgd", net.trainable_params()))
     train_steps(step, classification_batches(1, 32))
     print(f"after GradAccumulationCell: {zeros_like_impl.F.__name__}")
     after = plain_run()

@@ -81,7 +81,8 @@ def train(out_dir: str, rank: int, group: int) -> None:
                                      make_optimizer("sgd", token_net.trainable_params()))
     token_losses = [float(token_step(*(Tensor(a) for a in batch)).asnumpy()) for batch in token_data]
     window_net = make_token_net()
-    window_cell = AccumulatingTrainOneStepCell(TokenLoss(window_net), make_optimizer("sgd", window_net.trainable_params()), 2,
+    window_cell = AccumulatingTrainOneStepCell(TokenLoss(window_net),
+                                               make_optimizer("sgd", window_net.trainable_params()), 2,
                                                per_token_loss=True)
     for batch in token_data:
         window_cell(*(Tensor(a) for a in batch))

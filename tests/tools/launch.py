@@ -14,6 +14,8 @@ from typing import Any, Callable, Dict, List, Tuple
 # processes the tests start. benchmarks/worker.py reads the same variable.
 DEVICE_ENV = "MS_GRADACCUM_DEVICE"
 DEVICE_COUNT_ENV = "MS_GRADACCUM_DEVICE_COUNT"
+# Set (to 1) where the suite tests the installed package (CI's wheel run): the processes it starts import that one too.
+INSTALLED_ENV = "MS_GRADACCUM_TEST_INSTALLED"
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(TOOLS))
@@ -21,7 +23,10 @@ WORKER = os.path.join(REPO, "benchmarks", "worker.py")
 
 
 def repo_env(**extra: str) -> Dict[str, str]:
-    """The environment of a child process: this one's, `extra`, and the checkout first on PYTHONPATH."""
+    """The environment of a child process: this one's, `extra`, and the checkout first on PYTHONPATH (unless the
+    suite tests the installed package)."""
+    if os.environ.get(INSTALLED_ENV):
+        return dict(os.environ, **extra)
     return dict(os.environ, **extra, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
 
 

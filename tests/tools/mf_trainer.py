@@ -91,7 +91,8 @@ def main(out_dir: str, spec: dict) -> None:
     keys = dict(spec.get("keys", {}))
     wrapper = GradAccumulationWrapper
     if "buffer_prefix" in keys:
-        wrapper = type("GradAccumulationWrapper", (GradAccumulationWrapper,), {"buffer_prefix": keys.pop("buffer_prefix")})
+        wrapper = type("GradAccumulationWrapper", (GradAccumulationWrapper,),
+                       {"buffer_prefix": keys.pop("buffer_prefix")})
     # TrainingArguments clips at 1.0 by default (use_clip_grad=True): off unless a test asks for it.
     args = dict(output_dir=os.path.join(out_dir, "output"), num_train_epochs=1, logging_steps=1, save_steps=1000,
                 sink_mode=False, use_parallel=parallel, use_clip_grad=False)
