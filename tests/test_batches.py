@@ -14,6 +14,7 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch, micro_size", [(30, 4), (3, 4), (1, 8), (7, 3)])
 def test_batches_any_batch_size_matches_full_batch(batch, micro_size):
     batches = classification_batches(3, batch)
@@ -59,6 +60,7 @@ class _Rows:
         return len(self.x)
 
 
+@pytest.mark.slow
 def test_batches_model_epoch_with_short_last_batch_equals_plain_training():
     (x, y), = classification_batches(1, 3 * 32 + 30)   # batches of 32, 32, 32 and a short 30
 
@@ -77,6 +79,7 @@ def test_batches_model_epoch_with_short_last_batch_equals_plain_training():
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_size", [1, 4])
 def test_batches_window_with_a_short_batch_is_the_concatenated_full_batch(micro_size):
     # Windows of 2 batches of 32 and 20 rows: the full batch of their 52 rows, each row weighted equally (the

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from launch import REPO, repo_env
 
 
+@pytest.mark.slow
 def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
     env = repo_env()
     command = [sys.executable, os.path.join(REPO, "benchmarks", "run.py"), "--quick", "--out", str(tmp_path)]

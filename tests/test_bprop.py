@@ -80,6 +80,7 @@ def _accumulating(loss_net, optimizer):
     return nn.TrainOneStepCell(GradAccumulationCell(loss_net, K), optimizer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
 @pytest.mark.parametrize("zero_form", ZERO_FORMS)
@@ -117,6 +118,7 @@ def _zeros_like_run(wrap, batches, optimizer="momentum"):
     return params_of(net)
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("cell", ["GradAccumulationCell", "AccumulatingTrainOneStepCell"])
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
@@ -187,6 +189,7 @@ def test_bprop_zeros_like_detection_finds_calls_not_names_nor_folded_branches():
                                               "6 (UntakenBranch)"]
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 def test_bprop_way_around_changes_nothing_other_graphs_compute():
     # In a fresh process: importing the package leaves MindSpore as it is; a plain train cell trained before and after

@@ -26,6 +26,7 @@ def accumulated_run(make_net, loss_fn, optimizer, batches, micro_size, wrap=lamb
     return params_of(net), losses
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
 @pytest.mark.parametrize("micro_size", [1, 2, 4, 8])
@@ -73,6 +74,7 @@ class _Scaled(nn.Cell):
         return self.network(*inputs) * self.factor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
 def test_cell_without_mean_scaling_fails_reference(optimizer):
     # Negative control: summing the micro-batch gradients without dividing by K must be detected.
@@ -83,6 +85,7 @@ def test_cell_without_mean_scaling_fails_reference(optimizer):
         assert_params_close(wrong, expected, **TOLERANCE[optimizer])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_cell_single_micro_batch_fails_reference(optimizer):
     # Negative control: training on the first micro-batch only (what a broken loop would do) is detected.
@@ -127,6 +130,7 @@ def test_cell_multi_input_loss_matches_reference():
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
 def test_cell_convnet_matches_reference(optimizer):
     batches = classification_batches(STEPS, 16, in_shape=(1, 8, 8))

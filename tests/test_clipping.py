@@ -11,6 +11,7 @@ BATCH = 32
 MAX_NORM = 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro", [False, True], ids=["window", "micro_batches"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_clipping_once_per_step_matches_full_batch(micro, optimizer):

@@ -76,6 +76,7 @@ def _steps(**kwargs):
 WRAPS = [pytest.param(_cell, id="GradAccumulationCell"), pytest.param(_steps, id="AccumulatingTrainOneStepCell")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", WRAPS)
 @pytest.mark.parametrize("form", ["sum", "mean_times_rows"])
 @pytest.mark.parametrize("batch", [32, 30])   # 30 rows: micro-batches of 8, 8, 7, 7
@@ -92,6 +93,7 @@ def test_contract_sum_route_trains_like_the_full_batch(wrap, form, batch):
         assert_params_close(control, expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("wrap", WRAPS)
 @pytest.mark.parametrize("score_scale", [1.0, 0.01], ids=["S>=1", "S<1"])
@@ -130,6 +132,7 @@ def _first_step(make_loss, wrap, **kwargs):
     return before, params_of(net), error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", WRAPS)
 @pytest.mark.parametrize("make_loss, ratio", [
     (lambda net: SumLoss(net, "sum"), 2.0),
@@ -152,6 +155,7 @@ def test_contract_check_stops_a_broken_loss_before_any_update(wrap, make_loss, r
     assert all(np.array_equal(after[name], before[name]) for name in before), "the weights moved"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", WRAPS)
 @pytest.mark.parametrize("make_loss, kwargs", [
     (lambda net: nn.WithLossCell(net, ce()), {}),
@@ -166,6 +170,7 @@ def test_contract_check_is_silent_where_the_contract_holds(wrap, make_loss, kwar
     assert any(not np.array_equal(after[name], before[name]) for name in before)
 
 
+@pytest.mark.slow
 def test_contract_check_fires_on_batch_norm_in_training_only_as_the_construction_warning():
     # BatchNorm's per-micro-batch statistics are a documented approximation (warned at construction); the check
     # tolerates their noise. Control: a sum loss on the same network still stops.
@@ -214,6 +219,7 @@ def _in_own_train_cell(**kwargs):
     return lambda loss_net, opt: OwnTrainCell(GradAccumulationCell(loss_net, K, **kwargs), opt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, wrap, make_loss", [
     ("in_graph", _in_own_train_cell, lambda net: SumLoss(net, "sum")),
     ("graph_only_network", _cell, lambda net: GraphOnlyLoss(SumLoss(net, "sum"))),
@@ -248,6 +254,7 @@ class GraphOnlyLoss(nn.Cell):
         return self.loss_net(x, y)
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("wrap", WRAPS)
 def test_contract_check_compares_the_call_s_own_batch(wrap):
@@ -269,6 +276,7 @@ def test_contract_check_compares_the_call_s_own_batch(wrap):
     assert abs(number_after("ratio", str(caught.value)) - 2) < 1e-3, caught.value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", WRAPS)
 def test_contract_check_in_pynative_mode(wrap):
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -280,6 +288,7 @@ def test_contract_check_in_pynative_mode(wrap):
     assert any(not np.array_equal(after[name], before[name]) for name in before)
 
 
+@pytest.mark.slow
 def test_contract_check_leaves_batch_norm_moving_statistics_as_they_were():
     # The check's pass is not a training step: with it and without it (check_loss=False), one step leaves the same
     # moving statistics and weights. (Its noise tolerance for BatchNorm: the test above.)
@@ -333,6 +342,7 @@ class FixedBatchWeights(nn.Cell):
         return (self.per_row(self.net(x), y) * self.weights).mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", WRAPS)
 def test_contract_network_errors_on_a_micro_batch_say_where_they_happened(wrap):
     net = make_mlp()

@@ -16,7 +16,7 @@ from helpers import (assert_params_close, assert_params_moved, ce, ClippedStep, 
                      make_token_net, max_abs_diff, params_of, TokenLoss, train_steps, ZerosLikeLoss)
 from launch import msrun, repo_env, side_by_side
 
-pytestmark = [pytest.mark.lowest, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.lowest, pytest.mark.multiprocess, pytest.mark.slow]
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "dp_worker.py")
 RANKS = 2

@@ -20,6 +20,7 @@ def test_devices_the_selected_device_is_in_force_here_and_for_child_processes():
     assert done.stdout.strip() == suite_device()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option, message", [
     (["--device", "Ascend" if suite_device() == "GPU" else "GPU"], r"--device (GPU|Ascend) cannot be used here: "
                                                                  r"Unsupported device target"),

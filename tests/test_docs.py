@@ -59,22 +59,26 @@ def test_docs_readme_one_device_example_runs(tmp_path):
     assert len(losses) == 3 and losses[2] < losses[0], losses
 
 
+@pytest.mark.slow
 def test_docs_readme_across_steps_example_runs(tmp_path):
     output = _run(tmp_path, "across_steps")
     assert "optimizer steps: 11" in output, output
     assert len(re.findall(r"loss is ", output)) == 6, output   # LossMonitor(5) over 3 epochs of 10 batches
 
 
+@pytest.mark.slow
 def test_docs_readme_mixed_precision_example_runs(tmp_path):
     output = _run(tmp_path, "mixed_precision")
     assert len(re.findall(r"loss is ", output)) == 4, output   # LossMonitor(2) over 2 epochs of 4 batches
     assert "loss scale: 4096.0" in output, output
 
 
+@pytest.mark.slow
 def test_docs_readme_token_loss_example_runs(tmp_path):
     assert re.search(r"^token mean loss: [0-9.]+$", _run(tmp_path, "token_loss"), re.M)
 
 
+@pytest.mark.slow
 def test_docs_readme_semi_auto_example_runs_stand_alone_on_one_process(tmp_path):
     assert len(re.findall(r"loss is ", _run(tmp_path, "semi_auto"))) == 2
 
@@ -83,6 +87,7 @@ def test_docs_readme_check_example_runs(tmp_path):
     assert "equivalence check: PASS" in _run(tmp_path, "check")
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_docs_readme_data_parallel_example_runs_on_two_ranks(tmp_path):
     script = tmp_path / "data_parallel.py"

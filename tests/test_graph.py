@@ -7,6 +7,8 @@ validated training graph. MindSpore's own Python-unrolled cell is the control.
 import glob
 import os
 
+import pytest
+
 from launch import run_worker
 
 
@@ -22,6 +24,7 @@ def matmul_count(kind: str, micro_size: int, directory: str, batch: int = 64) ->
         return handle.read().count("MatMul(")
 
 
+@pytest.mark.slow
 def test_graph_loop_is_not_unrolled_and_holds_the_network_once(tmp_path):
     small = matmul_count("accumulate", 2, str(tmp_path / "k2"))
     large = matmul_count("accumulate", 16, str(tmp_path / "k16"))
@@ -31,12 +34,14 @@ def test_graph_loop_is_not_unrolled_and_holds_the_network_once(tmp_path):
     assert small == large == plain == NETWORK
 
 
+@pytest.mark.slow
 def test_graph_ragged_batch_holds_one_copy_per_micro_batch_shape(tmp_path):
     # 66 rows in 4 micro-batches: 2 of 17 rows and 2 of 16, one loop (one copy of the network) for each shape.
     assert matmul_count("accumulate", 4, str(tmp_path / "ragged"), batch=66) == 2 * NETWORK
     assert matmul_count("accumulate_steps", 4, str(tmp_path / "ragged_steps"), batch=66) == 2 * NETWORK
 
 
+@pytest.mark.slow
 def test_graph_holds_the_contract_check_only_where_it_could_not_run_eagerly(tmp_path):
     # Inside a train cell of one's own (a subclass of nn.TrainOneStepCell, which may change its inputs), the cell cannot
     # reach the batch before the graph compiles: the check is in the graph, one forward copy on two micro-batches.
@@ -45,6 +50,7 @@ def test_graph_holds_the_contract_check_only_where_it_could_not_run_eagerly(tmp_
     assert matmul_count("accumulate_unchecked", 4, str(tmp_path / "unchecked")) == NETWORK
 
 
+@pytest.mark.slow
 def test_graph_unrolled_loop_is_detected(tmp_path):
     # Negative control: MindSpore's nn.GradAccumulationCell unrolls a Python for loop; the count grows.
     small = matmul_count("mindspore", 2, str(tmp_path / "k2"))

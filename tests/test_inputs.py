@@ -46,6 +46,7 @@ def _run(wrap, make_loss_net, batches, optimizer="momentum", **kwargs):
     return params_of(net), outputs, initial
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("dtype", [ms.float32, ms.float16], ids=["float32", "float16"])
@@ -84,6 +85,7 @@ def _shared_batches():
             for x, y in classification_batches(3, 32)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cell", CELLS)
 def test_inputs_shared_none_numbers_and_0d_reach_every_micro_batch(mode, cell):

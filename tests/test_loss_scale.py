@@ -77,6 +77,7 @@ def _model_run(network_of, drop_overflow_update=False, amp_level="O2"):
     return params_of(net), initial
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("amp_level", [pytest.param("O2", marks=_LOSS_IN_FLOAT16),
                                        pytest.param("O3", marks=_LOSS_IN_FLOAT16), "backbone"])
@@ -96,6 +97,7 @@ def test_loss_scale_model_refuses_dropping_manager_on_cpu():
         _model_run(lambda loss_net: GradAccumulationCell(loss_net, K), drop_overflow_update=True)
 
 
+@pytest.mark.slow
 def test_loss_scale_functional_style_with_explicit_scale():
     initial = params_of(low_precision_mlp())
     expected = _functional_run(lambda loss_net, scaler: loss_net)
@@ -103,6 +105,7 @@ def test_loss_scale_functional_style_with_explicit_scale():
     assert_same_update(actual, expected, initial)
 
 
+@pytest.mark.slow
 def test_loss_scale_fp32_training_bit_exact_whatever_the_scale_source():
     # A power-of-two sens: scaling inside and unscaling in float32 is exact, so fp32 results equal sens=1.
     batches = classification_batches(3, BATCH)
@@ -138,6 +141,7 @@ def test_loss_scale_read_from_the_wrapping_train_cell():
     assert Probe(nn.TrainOneStepCell(cell, opt)).compile() == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro", [False, True], ids=["window", "micro_batches"])
 def test_loss_scale_accumulating_cell_scales_every_batch(micro):
     ref_net = low_precision_mlp()
@@ -239,6 +243,7 @@ def _float16_warnings(record):
     return [str(w.message) for w in record if "computes in float16" in str(w.message)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
 def test_loss_scale_float16_without_a_scale_warns_once_with_the_fix(mode):
     ms.set_context(mode=mode)
@@ -255,6 +260,7 @@ def test_loss_scale_float16_without_a_scale_warns_once_with_the_fix(mode):
     assert moved(actual, initial) < 0.5 * sum(v.size for v in initial.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["loss_scale", "float32", "wrapper_sens", "accumulating_scale_sense"])
 def test_loss_scale_no_float16_warning_when_a_scale_arrives_or_float32(case):
     with warnings.catch_warnings(record=True) as record:

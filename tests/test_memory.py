@@ -42,17 +42,20 @@ def plain_peak():
     return pool_peak_mb("plain", 1)
 
 
+@pytest.mark.slow
 def test_memory_micro_size_8_peak_at_least_3x_below_full_batch(plain_peak):
     accumulated = pool_peak_mb("accumulate", 8)
     assert plain_peak >= 3 * accumulated, f"plain full batch {plain_peak}M vs micro_size=8 {accumulated}M"
 
 
+@pytest.mark.slow
 def test_memory_micro_size_1_costs_about_what_full_batch_costs(plain_peak):
     # Sanity check of the measurement itself: without splitting there is nothing to save.
     accumulated = pool_peak_mb("accumulate", 1)
     assert 0.8 * plain_peak <= accumulated <= 1.3 * plain_peak, (plain_peak, accumulated)
 
 
+@pytest.mark.slow
 def test_memory_parameter_heavy_model_costs_under_three_quarters_of_a_parameter_size():
     # Three 1024 x 1024 Dense layers (12 MB of weights), micro-batches of 16: here the gradient-sized buffers,
     # not the activations, decide memory. The floor is a plain step on one micro-batch. The code before this
@@ -70,6 +73,7 @@ def test_memory_parameter_heavy_model_costs_under_three_quarters_of_a_parameter_
         assert overhead < 0.75, message
 
 
+@pytest.mark.slow
 def test_memory_parameter_heavy_model_data_parallel(tmp_path):
     # The same model on 2 ranks (rank 0 measured). GradAccumulationCell trained by AccumulatingTrainOneStepCell
     # (accumulate_steps=1), which all-reduces the buffers in place, one after another, and whose optimizer reads

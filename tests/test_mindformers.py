@@ -87,6 +87,7 @@ def reference(batches, optimizer="momentum", max_grad_norm=None):
             [float(norm.asnumpy().reshape(-1)[0]) for _, norm in outputs])
 
 
+@pytest.mark.slow
 def test_mindformers_trainer_micro_batches_train_like_the_full_batch(tmp_path):
     result = run_trainer(tmp_path / "trainer", rows="plain", count=24, batch=8, keys={"micro_size": 4})
     expected, initial, losses, _ = reference(dataset_batches(result))
@@ -101,6 +102,7 @@ def test_mindformers_trainer_micro_batches_train_like_the_full_batch(tmp_path):
         assert_updates_close(weights(result), control, initial, fraction=FRACTION)
 
 
+@pytest.mark.slow
 def test_mindformers_trainer_windows_of_dataset_steps_train_like_their_full_batch(tmp_path):
     # 6 dataset steps of 4 rows, 2 micro-batches each, an optimizer step every 3: two full batches of 12 rows.
     result = run_trainer(tmp_path / "trainer", rows="plain", count=24, batch=4,
@@ -113,6 +115,7 @@ def test_mindformers_trainer_windows_of_dataset_steps_train_like_their_full_batc
         assert_updates_close(weights(result), control, initial, fraction=FRACTION)
 
 
+@pytest.mark.slow
 def test_mindformers_trainer_token_route_on_ragged_rows(tmp_path):
     # Right-padded rows of different lengths with -100 prompts: the full batch's loss is the mean over all its valid
     # tokens. MindFormers' calculate_per_token_loss (the Trainer's and the model's) gives (loss_sum, count).
@@ -129,6 +132,7 @@ def test_mindformers_trainer_token_route_on_ragged_rows(tmp_path):
         assert_updates_close(weights(control), expected, initial, fraction=FRACTION)
 
 
+@pytest.mark.slow
 def test_mindformers_trainer_dynamic_loss_scale_with_a_binding_clip(tmp_path):
     # MindFormers' default scale_sense (DynamicLossScaleUpdateCell, 65536) and its ClipGradNorm, clipping every step.
     result = run_trainer(tmp_path / "trainer", rows="plain", count=24, batch=8, keys={"micro_size": 4},
@@ -145,6 +149,7 @@ def test_mindformers_trainer_dynamic_loss_scale_with_a_binding_clip(tmp_path):
         assert_updates_close(weights(result), unclipped, initial, fraction=FRACTION)
 
 
+@pytest.mark.slow
 def test_mindformers_trainer_resumed_mid_window_ends_like_the_uninterrupted_run(tmp_path):
     # Windows of 3 dataset steps; the first run stops after 4 steps, with a checkpoint there (one step into the second
     # window); the resumed run reads it with MindFormers' resume_training and trains steps 5 and 6.
@@ -167,6 +172,7 @@ def test_mindformers_trainer_resumed_mid_window_ends_like_the_uninterrupted_run(
     assert max(update_ratios(weights(control), weights(full), params_of(make_llama())).values()) > 0.01
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_mindformers_trainer_data_parallel_on_two_ranks(tmp_path):
     require_ranks(2)
@@ -190,6 +196,7 @@ def _wrapper(**keys):
     return model, GradAccumulationWrapper(model, make_optimizer("sgd", model.trainable_params()), **keys)
 
 
+@pytest.mark.slow
 def test_mindformers_wrapper_adaptive_loss_scale_and_the_outputs_monitors_read():
     batch = Tensor(np.stack([row[0] for row in token_rows("plain", 8, 1)]))
     model, wrapper = _wrapper(micro_size=4, scale_sense=AdaptiveLossScaleUpdateCell(2 ** 12, 2, 20))
@@ -201,6 +208,7 @@ def test_mindformers_wrapper_adaptive_loss_scale_and_the_outputs_monitors_read()
     assert_updates_close(params_of(model), expected, initial, fraction=FRACTION)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold, steps", [(1e-3, 0), (1e3, 1)])
 def test_mindformers_wrapper_skips_a_window_whose_global_norm_spikes(threshold, steps):
     batch = Tensor(np.stack([row[0] for row in token_rows("plain", 8, 1)]))
@@ -259,6 +267,7 @@ def test_mindformers_trainer_config_refuses_its_own_accumulation_beside_the_wrap
                                           runner_config={"gradient_accumulation_steps": 4}))
 
 
+@pytest.mark.slow
 def test_mindformers_trainer_refuses_gradient_accumulation_steps_before_resetting_it(tmp_path):
     # MindFormers itself would warn and reset it to 1 (stand-alone): the Trainer stops with the package's error.
     done = subprocess.run([sys.executable, TOOL, str(tmp_path), json.dumps(dict(
@@ -278,6 +287,7 @@ def test_mindformers_module_is_imported_only_by_whoever_uses_it_and_names_the_in
     assert "MindFormers cannot be imported" in done.stdout and "pip install mindformers==2.1.0" in done.stdout
 
 
+@pytest.mark.slow
 def test_mindformers_sample_finetunes_through_the_trainer_in_graph_mode(tmp_path):
     done = subprocess.run([sys.executable, os.path.join(REPO, "sample_code", "mindformers_llama", "finetune.py"),
                            "--epochs", "1", "--output-dir", str(tmp_path / "output")],

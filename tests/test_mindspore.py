@@ -168,6 +168,7 @@ def test_mindspore_differentiated_weights_found_from_the_grad_call():
 
 # --- the patches: each undone by its uninstall() ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_mindspore_patches_uninstall_restores_mindspore_and_plain_training_is_unchanged():
     # In a fresh process: train through GradAccumulationCell (both patches installed), uninstall them, and find
     # MindSpore's own objects back; a plain train cell trains bit-identically before the patches and after their undo.

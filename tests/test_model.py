@@ -46,6 +46,7 @@ def test_model_subclass_named_like_mindspore_cell_still_trains():
     assert not _is_grad_accumulation(GradAccumulation(nn.WithLossCell(make_mlp(), ce()), 2))
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("sink", [False, True])
 def test_model_train_matches_reference_and_loss_monitor_prints_full_batch_loss(sink, capsys):
@@ -82,6 +83,7 @@ def test_model_mindspore_own_cell_trains_nothing_outside_parallel():
     assert losses[0] == pytest.approx(4 * full_batch_losses[0], rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 def test_model_checkpoint_loads_into_bare_network_and_resumes_exactly(tmp_path):
     net = make_mlp()
@@ -124,6 +126,7 @@ def test_model_checkpoint_loads_into_bare_network_and_resumes_exactly(tmp_path):
         assert_params_close(params_of(resumed), params_of(net), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
 def test_model_loss_fn_style_is_refused_with_the_form_that_works(mode):
     # Model(cell, loss_fn=...) builds a WithLossCell around the cell: it would get the data without its labels.

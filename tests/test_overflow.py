@@ -28,6 +28,7 @@ def _poisoned(x, rows):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_overflow_in_one_micro_batch_skips_the_step_exactly(where):
@@ -100,6 +101,7 @@ def test_overflow_plain_tensor_scale_skips_overflowing_steps():
     assert_params_equal(_train_state(cell), before)
 
 
+@pytest.mark.slow
 def test_overflow_resume_from_checkpoint_keeps_the_scale(tmp_path):
     batches = classification_batches(6, 8)
     poisoned = [(_poisoned(x, [0]) if i == 1 else x, y) for i, (x, y) in enumerate(batches)]

@@ -69,6 +69,7 @@ def _token_batches(steps=3, seed=0):
     return batches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, cell", WAYS)
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
 def test_real_models_llama_own_loss_trains_like_the_full_batch(mode, cell, optimizer):
@@ -85,6 +86,7 @@ def test_real_models_llama_own_loss_trains_like_the_full_batch(mode, cell, optim
                                rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, cell", WAYS)
 @pytest.mark.parametrize("route", ["config", "token_sum_loss"])
 def test_real_models_llama_ragged_masked_batches_through_the_token_route(mode, cell, route):
@@ -118,6 +120,7 @@ def test_real_models_llama_loss_without_the_token_route_is_warned():
         GradAccumulationCell(make_llama(), K)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, cell", WAYS)
 def test_real_models_llama_shared_position_ids_and_none_inputs_pass_through(mode, cell):
     # model(input_ids, labels, input_position=None, position_ids (1, T) shared by the batch).
@@ -138,6 +141,7 @@ def _token_dataset():
     return ds.GeneratorDataset(lambda: iter(rows), ["input_ids", "labels"], shuffle=False).batch(BATCH)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, cell", WAYS)
 def test_real_models_llama_model_train_with_loss_monitor(mode, cell, capsys):
     ms.set_context(mode=mode)
@@ -169,6 +173,7 @@ def make_vit():
                              num_classes=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_real_models_mindcv_vit_trains_like_the_full_batch(mode):
     ms.set_context(mode=mode)

@@ -11,7 +11,7 @@ import pytest
 
 from launch import REPO, free_port, repo_env, require_ranks, suite_device
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def _processes_with_env(marker: str, rank: int) -> list:

@@ -42,6 +42,7 @@ def _sample(tmp_path, *args):
     return done.returncode, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_sample_trains_on_builtin_dataset(tmp_path):
     status, output = _sample(tmp_path, "--epochs", "2", "--max-steps", "20", "--loss-every", "10")
     assert status == 0, output[-3000:]
@@ -56,6 +57,7 @@ def test_sample_trains_on_builtin_dataset(tmp_path):
     assert float(final.group(2)) > 0.3
 
 
+@pytest.mark.slow
 def test_sample_logs_loss_lines_however_short_the_epoch(tmp_path):
     # 3 steps per epoch and no --loss-every: LossMonitor prints every min(100, 3) steps, so every run logs.
     status, output = _sample(tmp_path, "--epochs", "2", "--max-steps", "3")
@@ -63,6 +65,7 @@ def test_sample_logs_loss_lines_however_short_the_epoch(tmp_path):
     assert len(re.findall(r"epoch: \d+ step: 3, loss is", output)) == 2, output[-3000:]
 
 
+@pytest.mark.slow
 def test_sample_check_passes_and_batch_norm_control_fails(tmp_path):
     status, output = _sample(tmp_path, "--check", "--check-steps", "2")
     assert status == 0 and "[rank 0] equivalence check PASS" in output, output[-3000:]
@@ -71,6 +74,7 @@ def test_sample_check_passes_and_batch_norm_control_fails(tmp_path):
     assert "likely cause: batch normalisation (_backbone.layers.1 (BatchNorm1d))" in output
 
 
+@pytest.mark.slow
 def test_sample_header_describes_an_uneven_split(tmp_path):
     status, output = _sample(tmp_path, "--epochs", "1", "--max-steps", "2", "--micro-size", "7")
     assert status == 0, output[-3000:]
@@ -146,6 +150,7 @@ def _stopped_copy(source, target, last_step: int) -> None:
             shutil.copy(os.path.join(source, name), os.path.join(target, name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate_steps", ["1", "3"])
 def test_sample_resume_mid_epoch_ends_as_the_uninterrupted_run(tmp_path, accumulate_steps):
     # 2 epochs of 5 steps, checkpoints every 2 steps and at each epoch's end. Stopped after global step 6 (epoch 2,
@@ -174,6 +179,7 @@ def test_sample_resume_mid_epoch_ends_as_the_uninterrupted_run(tmp_path, accumul
     assert max(float(np.max(np.abs(start[name] - end[name]))) for name in end if "layers" in name) > 1e-4
 
 
+@pytest.mark.slow
 def test_sample_resume_skips_a_damaged_checkpoint_and_says_when_there_is_none(tmp_path):
     status, reference = _sample(tmp_path / "a", *RUN)
     assert status == 0, reference[-3000:]

@@ -52,6 +52,7 @@ class _CountUpdates(Callback):
         self.previous = current
 
 
+@pytest.mark.slow
 def test_scheduler_updates_at_exactly_the_scheduled_boundaries():
     net, cell, model = _model()
     counter = _CountUpdates(net)
@@ -112,6 +113,7 @@ def test_scheduler_model_loss_monitor_prints_per_batch_loss_and_window_mean_is_a
 WINDOWS_WARNING = "nothing closes an epoch's last window"
 
 
+@pytest.mark.slow
 def test_scheduler_missing_under_model_is_warned_with_both_fixes():
     # 8 batches in windows of 3: without the scheduler, the epoch ends with 2 batches pending.
     net, cell, model = _model(accumulate_steps=3)
@@ -149,6 +151,7 @@ def _merged(batches, indices):
     return tuple(np.concatenate(part) for part in zip(*(batches[i] for i in indices)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sink_size", [3, 4, -1])
 def test_scheduler_windows_follow_the_batches_run_whatever_sink_size_says(sink_size):
     # Windows of 4 that close at each epoch's end, over the batches each epoch really runs: on CPU
@@ -192,6 +195,7 @@ def _windows_of_six_batches(batches):
     return expected
 
 
+@pytest.mark.slow
 def test_scheduler_epoch_stopped_early_applies_what_it_ran():
     class StopAfter(Callback):
         def on_train_step_end(self, run_context):

@@ -43,6 +43,7 @@ def _run(cell, net, batches):
     return snapshots, losses
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
 def test_steps_match_full_batch_reference_and_hold_weights_between_steps(optimizer):
@@ -132,6 +133,7 @@ def test_steps_under_scaled_last_window_is_detected():
         assert_params_close(snapshots[-1], params_of(under_net), **TOLERANCE)
 
 
+@pytest.mark.slow
 def test_steps_flush_applies_pending_partial_window():
     batches = classification_batches(6, 8)
     expected, _, _ = reference_run(make_mlp, ce(), "sgd", _windows(batches, [4, 2]))
@@ -147,6 +149,7 @@ def _train_state(cell):
     return {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("stop_after", [5, 6, 7])
 def test_steps_resume_mid_window_equals_uninterrupted_run(tmp_path, stop_after):

@@ -42,6 +42,7 @@ def _run_cell(optimizer, batches, mode="sum_count", micro_size=K):
     return params_of(net), losses
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_tokens_cell_matches_global_token_mean(optimizer):
@@ -53,6 +54,7 @@ def test_tokens_cell_matches_global_token_mean(optimizer):
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)   # what LossMonitor prints: the token mean
 
 
+@pytest.mark.slow
 def test_tokens_mean_of_micro_batch_means_fails_reference():
     # Negative control: the Transformers bug (#34191), each micro-batch normalised by its own token count.
     batches = token_batches(3, VALID)
@@ -62,6 +64,7 @@ def test_tokens_mean_of_micro_batch_means_fails_reference():
         assert_params_close(control, expected, **TOLERANCE)
 
 
+@pytest.mark.slow
 def test_tokens_ragged_batch_with_token_counts():
     # 14 samples in 4 micro-batches (4, 4, 3, 3 samples): the split and the token counts are both uneven.
     batches = token_batches(2, VALID[:14])
@@ -71,6 +74,7 @@ def test_tokens_ragged_batch_with_token_counts():
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("micro", [False, True], ids=["window", "micro_batches"])
 def test_tokens_accumulating_cell_divides_by_the_window_count(micro):
@@ -99,6 +103,7 @@ def test_tokens_accumulating_cell_divides_by_the_window_count(micro):
         assert_params_close(control, expected, **TOLERANCE)
 
 
+@pytest.mark.slow
 def test_tokens_flush_divides_a_partial_window_by_its_count():
     batches = token_batches(3, VALID)
     expected, _ = _token_reference("sgd", [tuple(np.concatenate(parts) for parts in zip(*batches))])
@@ -134,6 +139,7 @@ class _LossAndItems(_LossAndAccuracy):
         return loss, ops.stack([loss, loss * 2, loss * 3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
 @pytest.mark.parametrize("outputs", ["accuracy", "loss_items"])
 @pytest.mark.parametrize("make", ["cell", "accumulating", "accumulating_micro"])
@@ -185,6 +191,7 @@ class _CountTimes(nn.Cell):
         return loss_sum, count * self.factor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factor, message", [
     (-1.0, "with per_token_loss=True the count returned by 'network' must be a finite number >= 0 (e.g. the number of "
            "valid tokens), but a micro-batch returned -"),
@@ -297,6 +304,7 @@ def _token_mean_run(name, wrap, batches, optimizer="adam"):
     return params_of(net), losses, initial
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TOKEN_MEAN_LOSSES))
 @pytest.mark.parametrize("cell", ["GradAccumulationCell", "AccumulatingTrainOneStepCell"])
 def test_tokens_token_sum_loss_matches_the_full_batch_token_mean(name, cell):
@@ -399,6 +407,7 @@ def _tutorial_run(loss_fn, batches, cell, **kwargs):
     return messages, error, params_of(net)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", ["GradAccumulationCell", "AccumulatingTrainOneStepCell"])
 @pytest.mark.parametrize("loss_fn", [lambda: nn.CrossEntropyLoss(), lambda: _NLLOfLogits(),
                                      lambda: nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")],
@@ -425,6 +434,7 @@ class _NLLOfLogits(nn.Cell):
         return self.nll(ops.log_softmax(logits, -1), labels)
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("cell", ["GradAccumulationCell", "AccumulatingTrainOneStepCell"])
 def test_tokens_tutorial_loss_with_ignored_labels_is_warned_or_stopped(cell):
@@ -484,6 +494,7 @@ def test_tokens_token_sum_loss_refuses_what_it_cannot_count(loss_fn, error, mess
         token_sum_loss(loss_fn)
 
 
+@pytest.mark.slow
 def test_tokens_check_equivalence_names_a_token_mean_loss():
     batches = _ignored_label_batches(2)
     with warnings.catch_warnings():

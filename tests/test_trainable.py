@@ -56,6 +56,7 @@ def _plain(freeze_after, optimizer="momentum"):
     return _staged(lambda loss_net: loss_net, True, freeze_after, optimizer=optimizer)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
 @pytest.mark.parametrize("how", ["train_one_step", "model", "functional", "accumulating"])
@@ -73,6 +74,7 @@ def test_trainable_layer_unfrozen_after_wrapping_is_trained(how, mode):
         assert_params_close(control, expected, **TOLERANCE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["train_one_step", "model", "functional", "accumulating"])
 def test_trainable_layer_frozen_after_wrapping_stays_and_costs_no_buffer(how):
     expected = _plain(freeze_after=True)
@@ -116,6 +118,7 @@ def test_trainable_optimizer_on_a_subset_gets_buffers_for_that_subset_only():
     assert max_abs_diff({n: after[n] for n in ("4.weight",)}, {n: initial[n] for n in ("4.weight",)}) > 1e-3
 
 
+@pytest.mark.slow
 def test_trainable_new_train_cell_after_freezing_follows_and_drops_the_buffer():
     # The same GradAccumulationCell, trained, then a layer frozen and a new optimizer and train cell built: the
     # new graph trains the new set, and the frozen layer's buffer is gone (not in checkpoints, no memory).
@@ -136,6 +139,7 @@ def test_trainable_new_train_cell_after_freezing_follows_and_drops_the_buffer():
     assert names and not [n for n in names if n in {f"accu_grads.{f}" for f in FIRST}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("freeze_before, freeze_after", [(True, False), (False, True)])
 def test_trainable_accumulating_cell_around_grad_accumulation_cell(freeze_before, freeze_after):
     # Was: IndexError (unfreeze) and an AssignAdd shape error (freeze): the train cell used the inner cell's
@@ -161,6 +165,7 @@ class _HandWrittenTrainCell(nn.Cell):
         return ops.depend(loss, self.optimizer(grads))
 
 
+@pytest.mark.slow
 def test_trainable_hand_written_train_cell_is_followed_through_its_optimizer():
     def run(wrap):
         net = make_mlp()
@@ -216,6 +221,7 @@ def _functional_with_frozen_in_weights(wrap, style):
     return _all_params(net)
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
 @pytest.mark.parametrize("style", ["cell", "forward_fn", "jit_closure", "jit_global", "jit_helper"])
@@ -267,6 +273,7 @@ def _functional_through_an_attribute(wrap):
     return _all_params(net)
 
 
+@pytest.mark.slow
 def test_trainable_weights_given_are_accumulated_where_discovery_cannot_see_them():
     expected = _functional_through_an_attribute(lambda loss_net, opt: loss_net)
     initial = _all_params(make_mlp())

@@ -42,6 +42,7 @@ def write_fixture(path=FIXTURE):
     ms.save_checkpoint(cell, path)
 
 
+@pytest.mark.slow
 def test_window_checkpoint_written_before_the_window_cell_resumes_exactly():
     ms.set_context(mode=ms.GRAPH_MODE)
     batches = _batches()
