@@ -38,7 +38,7 @@ def pytest_configure(config):
         # The installed package is under test (CI's wheel run): a checkout importable from here would hide a module
         # the wheel lacks.
         import ms_gradaccum  # pylint: disable=import-outside-toplevel
-        if os.path.abspath(ms_gradaccum.__file__).startswith(REPO + os.sep):
+        if os.path.dirname(os.path.abspath(ms_gradaccum.__file__)) == os.path.join(REPO, "ms_gradaccum"):
             raise pytest.UsageError(f"{INSTALLED_ENV} is set, but ms_gradaccum is imported from the checkout "
                                     f"({ms_gradaccum.__file__}), not the installed package: run pytest from another "
                                     f"folder, without the checkout on PYTHONPATH")

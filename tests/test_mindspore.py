@@ -4,6 +4,7 @@ CI runs this module on the lowest and the highest supported MindSpore, so each v
 adapters has a test that fails if the handling is wrong for the version at hand. Also: each patch's undo, and the
 fence (only the adapters import private MindSpore names; no import cycle in the package).
 """
+import os
 import subprocess
 import sys
 
@@ -178,7 +179,7 @@ from mindspore import nn
 from mindspore.ops.composite.multitype_ops import zeros_like_impl
 from ms_gradaccum._mindspore.patches import CELL_GRAPH_EXECUTOR, PATCHES, AUTODIFF_ZEROS_LIKE, GRAPH_COMPILE
 import sys
-sys.path.insert(0, "tests")
+sys.path.insert(0, TESTS)
 from helpers import ce, classification_batches, make_mlp, make_optimizer, params_of, train_steps, ZerosLikeLoss
 ms.set_context(mode=ms.GRAPH_MODE)
 def plain():
@@ -202,6 +203,7 @@ print("uninstalled:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed, ze
 after = plain()
 print("plain:", "bit-identical" if all(np.array_equal(before[k], after[k]) for k in before) else "DIFFERENT")
 """
+    code = code.replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
                           env=repo_env(GLOG_v="3"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
