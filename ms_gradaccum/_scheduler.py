@@ -65,7 +65,7 @@ class GradAccumulationScheduler(Callback):
     def on_train_begin(self, run_context):
         self._cell = _find_accumulating_cell(run_context.original_args().train_network)
         # Tells the cell that every epoch's last window is closed here (it warns when nothing does).
-        object.__setattr__(self._cell, "_epoch_windows_closed", True)
+        self._cell.window.closed_at_epoch_end = True
 
     def on_train_epoch_begin(self, run_context):
         # cur_epoch_num is one-based and already counts the epoch that is starting.

@@ -1,6 +1,5 @@
 """AccumulatingTrainOneStepCell: one optimizer step every `accumulate_steps` batches, each batch optionally split into
 `micro_size` micro-batches."""
-import warnings
 from typing import Optional
 
 import mindspore as ms
@@ -153,22 +152,7 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
                 f"that holds an optimizer too (Model(cell, optimizer=...) builds one), which would apply a second, "
                 f"zero update. Train it as Model({_NAME}(...)) without optimizer=, or call it directly.")
         self.loss_scale.check()
-        self._warn_windows_across_epochs()
-
-    def _warn_windows_across_epochs(self) -> None:
-        """One UserWarning when Model trains this cell with windows of several batches and nothing closes an epoch's
-        last window: it would run on into the next epoch, and the last one of training would never be applied."""
-        if self.__dict__.get("_epoch_windows_closed") or self.__dict__.get("_warned_windows"):
-            return
-        steps = self.window.accumulate_steps
-        if steps > 1 and self.window.epoch_length == 0 and discover(self).under_model:
-            object.__setattr__(self, "_warned_windows", True)
-            warnings.warn(
-                f"{type(self).__name__}: Model trains windows of accumulate_steps={steps} batches, but nothing closes "
-                f"an epoch's last window: it runs on into the next epoch, and a window still open when training ends "
-                f"is never applied (pending_batches counts it). Pass callbacks=[GradAccumulationScheduler({{0: "
-                f"{steps}}})] to Model.train, which closes every epoch's last window as Lightning does, or "
-                f"steps_per_epoch=<batches per epoch> to the cell.", UserWarning, stacklevel=2)
+        self.window.warn_if_left_open(type(self).__name__, discover(self).under_model)
 
     def _targets(self) -> tuple:
         """``(weights, buffers)``: the optimizer's parameters, as for nn.TrainOneStepCell, and their buffers."""

@@ -4,6 +4,8 @@ Like optax's ``MultiStepsState``, the state lives in one place: scalar Parameter
 ``accu_state.<name>`` (the names of 0.1.0, so its checkpoints load unchanged), with the graph operations the train cell
 needs (:meth:`Window.record`, :meth:`Window.closes`, :meth:`Window.reset`, :meth:`Window.unit`) and its Python side.
 """
+import warnings
+
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
@@ -28,6 +30,8 @@ class Window(nn.Cell):
     def __init__(self, accumulate_steps: int, steps_per_epoch: int, cls_name: str):
         super().__init__(auto_prefix=False)
         self.owner_name = cls_name
+        self.closed_at_epoch_end = False   # set by GradAccumulationScheduler, which closes every epoch's last window
+        self.warned = False
         self.position = _scalar("window_position", 0)
         self.epoch_position = _scalar("epoch_position", 0)
         self.steps = _scalar("accumulate_steps", accumulate_steps)
@@ -93,6 +97,20 @@ class Window(nn.Cell):
     @property
     def last_window_loss(self) -> float:
         return float(self.last_loss.asnumpy())
+
+    def warn_if_left_open(self, owner: str, under_model: bool) -> None:
+        """One UserWarning when Model trains windows of several batches and nothing closes an epoch's last window: it
+        would run on into the next epoch, and the last one of training would never be applied."""
+        steps = self.accumulate_steps
+        if self.closed_at_epoch_end or self.warned or steps == 1 or self.epoch_length or not under_model:
+            return
+        self.warned = True
+        warnings.warn(
+            f"{owner}: Model trains windows of accumulate_steps={steps} batches, but nothing closes an epoch's last "
+            f"window: it runs on into the next epoch, and a window still open when training ends is never applied "
+            f"(pending_batches counts it). Pass callbacks=[GradAccumulationScheduler({{0: {steps}}})] to Model.train, "
+            f"which closes every epoch's last window as Lightning does, or steps_per_epoch=<batches per epoch> to the "
+            f"cell.", UserWarning, stacklevel=2)
 
     def set_accumulate_steps(self, accumulate_steps: int) -> None:
         value = check_positive_int(accumulate_steps, "accumulate_steps", self.owner_name)
