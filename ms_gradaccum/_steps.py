@@ -152,7 +152,7 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
                 f"that holds an optimizer too (Model(cell, optimizer=...) builds one), which would apply a second, "
                 f"zero update. Train it as Model({_NAME}(...)) without optimizer=, or call it directly.")
         self.loss_scale.check()
-        self.window.warn_if_left_open(type(self).__name__, discover(self).under_model)
+        self.window.warn_if_left_open(type(self).__name__, lambda: discover(self).under_model)
 
     def _targets(self) -> tuple:
         """``(weights, buffers)``: the optimizer's parameters, as for nn.TrainOneStepCell, and their buffers."""
