@@ -74,6 +74,8 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
     # construct(scale, overflow) -> overflow).
     buffer_prefix = _buffers.GRAD_PREFIX
     scale_update_cells = _loss_scale.SCALE_MANAGERS
+    # Whether an overflowing window's step is skipped (mindone's drop_overflow_update=False applies it anyway).
+    skips_overflow = True
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int, *,
                  micro_size: Optional[int] = None, per_token_loss: Optional[bool] = None,
@@ -213,8 +215,9 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
             if self.loss_scaling_manager is not None:
                 if not empty:
                     overflow = self.loss_scaling_manager(self.scale_sense, overflow)
+        skip = ops.logical_or(overflow, empty) if self.skips_overflow else empty
         stepped = ops.zeros((), mstype.int32)
-        if not ops.logical_or(overflow, empty):
+        if not skip:
             stepped = ops.depend(stepped, self._step(mean))
         # A scalar that exists only once the optimizer has run (or was skipped): the resets depend on it.
         done = ops.depend(ops.zeros((), mstype.int32), stepped)

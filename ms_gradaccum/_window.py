@@ -122,3 +122,15 @@ class Window(nn.Cell):
     def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
         value = check_positive_int(steps_per_epoch, "steps_per_epoch", self.owner_name)
         _write(self.steps_per_epoch, value)
+
+
+class StateUnderOptimizer(nn.Cell):
+    """A train cell's window state (buffers, window, loss scale: ``AccumulatingTrainOneStepCell.state()``) registered
+    under its optimizer as well (the same Parameters, under their own names), for trainers whose resume loads a
+    checkpoint into the model and the optimizer only (MindFormers' ``load_ckpt``, mindone's ``resume_train_network``).
+    """
+
+    def __init__(self, parameters):
+        super().__init__(auto_prefix=False)
+        for parameter in parameters:
+            self.insert_param_to_cell(parameter.name, parameter, check_name_contain_dot=False)

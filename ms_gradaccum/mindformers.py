@@ -58,6 +58,7 @@ from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES
 from ms_gradaccum._spec import LossSpec
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
 from ms_gradaccum._validation import argument_error, check_bool, check_positive_int
+from ms_gradaccum._window import StateUnderOptimizer
 
 __all__ = ["GradAccumulationWrapper", "check_trainer_config"]
 
@@ -78,16 +79,6 @@ def _positive_float(value: Any, key: str) -> float:
     if not value > 0 or value == float("inf"):
         raise ValueError(argument_error(_NAME, key, expected, value))
     return float(value)
-
-
-class _WindowState(nn.Cell):
-    """The wrapper's window state (buffers, window position and sums, loss scale), registered under the optimizer too,
-    so that MindFormers' resume, which loads a checkpoint into the model and the optimizer only, restores it."""
-
-    def __init__(self, parameters):
-        super().__init__(auto_prefix=False)
-        for parameter in parameters:
-            self.insert_param_to_cell(parameter.name, parameter, check_name_contain_dot=False)
 
 
 class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
@@ -154,8 +145,9 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
         self.clip_grad_norm = ClipGradNorm(max_norm=keys["max_grad_norm"])
         self.global_norm = Parameter(Tensor([0.0], mstype.float32), name=f"{_buffers.STATE_PREFIX}.global_norm",
                                      requires_grad=False)
-        # Registered under the optimizer as well (the same Parameters): see _WindowState.
-        optimizer.insert_child_to_cell("grad_accumulation_state", _WindowState(self.state() + [self.global_norm]))
+        # Registered under the optimizer as well (the same Parameters), for MindFormers' resume.
+        optimizer.insert_child_to_cell("grad_accumulation_state",
+                                        StateUnderOptimizer(self.state() + [self.global_norm]))
 
     @classmethod
     def with_keys(cls, **keys) -> type:

@@ -1,0 +1,104 @@
+"""mindone's diffusion train step (``mindone.trainers.train_step.TrainOneStepWrapper``) on this package's
+accumulation."""
+import numbers
+from typing import Any, Optional
+
+from mindone.trainers.ema import EMA
+from mindspore import nn, ops
+
+from ms_gradaccum._spec import LossSpec
+from ms_gradaccum._steps import AccumulatingTrainOneStepCell
+from ms_gradaccum._validation import argument_error, check_bool, check_int, check_positive_int
+from ms_gradaccum._window import StateUnderOptimizer
+
+_NAME = "TrainOneStepWrapper"
+
+
+def _positive_float(value: Any, arg_name: str) -> float:
+    expected = "a positive finite float"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(argument_error(_NAME, arg_name, expected, value))
+    if not 0 < value < float("inf"):
+        raise ValueError(argument_error(_NAME, arg_name, expected, value))
+    return float(value)
+
+
+class TrainOneStepWrapper(AccumulatingTrainOneStepCell):
+    r"""
+    mindone's ``TrainOneStepWrapper`` (same constructor, same outputs ``(loss, overflow, loss scale)``) whose
+    accumulation is exact: the optimizer steps once every `gradient_accumulation_steps` calls with the update the full
+    batch of those rows would have given (an :class:`~ms_gradaccum.AccumulatingTrainOneStepCell`).
+
+    Unlike mindone 0.5.0's own wrapper, a window's gradient is the mean over its rows (mindone adds each batch's mean
+    divided by K, whatever its rows), an epoch's last partial window is applied (with `steps_per_epoch` or
+    :class:`~ms_gradaccum.GradAccumulationScheduler`), overflow is checked on every device (mindone reports none on
+    CPU), and ``ema.ema_update()`` runs once per optimizer step (mindone: every call). The learning rate advances once
+    per optimizer step, as mindone's does on MindSpore >= 2.2 (its per-call ``get_lr()`` no longer moves it). The
+    window's state is registered under the optimizer too, so mindone's ``resume_train_network`` restores a run saved
+    mid-window by ``EvalSaveCallback``. Details: ``docs/mindone.md``.
+
+    Args:
+        network, optimizer, scale_sense, ema, drop_overflow_update, gradient_accumulation_steps, clip_grad, clip_norm,
+            verbose: As mindone's (`scale_sense`: a number, a scalar Tensor, ``nn.DynamicLossScaleUpdateCell`` or
+            ``nn.FixedLossScaleUpdateCell``; `clip_grad`: clip the window's gradient to the global norm `clip_norm`).
+        updates (int): Accepted as mindone's, which ignores it; only 0: give the count to ``EMA(updates=...)``.
+        zero_helper: Only ``None`` (ZeRO is refused: it shards the gradients the window sums).
+        micro_size, per_token_loss, shared_inputs, steps_per_epoch, check_loss: As for
+            :class:`~ms_gradaccum.AccumulatingTrainOneStepCell` (keyword only).
+
+    Outputs:
+        Tuple ``(loss, overflow, loss scale)``: the batch's loss, whether the window closed by this call overflowed
+        (its step skipped when `drop_overflow_update`), and the scale.
+
+    Raises:
+        TypeError: If an argument has the wrong type (`ema` not mindone's ``EMA``, `clip_grad` not a bool, ...).
+        ValueError: If `gradient_accumulation_steps` < 1, `clip_norm` <= 0, `updates` != 0, or `zero_helper` is given.
+
+    Supported Platforms:
+        ``CPU``: with mindone 0.5.0 in CI, around networks that run on CPU. Not run on Ascend or GPU.
+    """
+
+    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, scale_sense=1.0, ema: Optional[EMA] = None,
+                 updates: int = 0, drop_overflow_update: bool = True, gradient_accumulation_steps: int = 1,
+                 clip_grad: bool = False, clip_norm: float = 1.0, verbose: bool = False, zero_helper=None, *,
+                 micro_size: Optional[int] = None, per_token_loss: Optional[bool] = None, shared_inputs=None,
+                 steps_per_epoch: Optional[int] = None, check_loss: Optional[bool] = None):
+        if ema is not None and not isinstance(ema, EMA):
+            raise TypeError(argument_error(_NAME, "ema", "None or mindone.trainers.ema.EMA", ema))
+        if check_int(updates, 0, "the argument 'updates'", "0", _NAME) != 0:
+            raise ValueError(
+                f"For '{_NAME}', the argument 'updates' must be 0, but got {updates}: mindone's wrapper ignores it (the "
+                f"EMA counts its own updates). Pass the count to the EMA instead: EMA(network, updates={updates}).")
+        drop_overflow_update = check_bool(drop_overflow_update, "drop_overflow_update", _NAME)
+        gradient_accumulation_steps = check_positive_int(gradient_accumulation_steps, "gradient_accumulation_steps",
+                                                         _NAME)
+        clip_grad = check_bool(clip_grad, "clip_grad", _NAME)
+        clip_norm = _positive_float(clip_norm, "clip_norm")
+        check_bool(verbose, "verbose", _NAME)
+        # This package's arguments, checked under this class's name (the core checks them again under its own).
+        LossSpec.of(_NAME, micro_size=micro_size, per_token_loss=per_token_loss, shared_inputs=shared_inputs,
+                    check_loss=check_loss)
+        if steps_per_epoch is not None:
+            check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
+        if zero_helper is not None:
+            raise ValueError(
+                f"For '{_NAME}', the argument 'zero_helper' must be None, but got {type(zero_helper).__name__}: ZeRO "
+                f"shards the gradients and the optimizer state across devices, and this wrapper sums whole gradients "
+                f"over the window. Train without ZeRO (zero_stage=0), or with mindone's own wrapper.")
+        super().__init__(network, optimizer, gradient_accumulation_steps, micro_size=micro_size,
+                         per_token_loss=per_token_loss, shared_inputs=shared_inputs, steps_per_epoch=steps_per_epoch,
+                         scale_sense=scale_sense, max_grad_norm=clip_norm if clip_grad else None,
+                         check_loss=check_loss)
+        self.ema = ema
+        self.skips_overflow = drop_overflow_update
+        self.drop_overflow_update, self.clip_grad, self.clip_norm = drop_overflow_update, clip_grad, clip_norm
+        self.verbose = verbose
+        # mindone's resume_train_network loads a checkpoint into the network and the optimizer only.
+        optimizer.insert_child_to_cell("grad_accumulation_state", StateUnderOptimizer(self.state()))
+
+    def _step(self, mean):
+        """Clipping and the optimizer (as the core), then the EMA, once per optimizer step, on the updated weights."""
+        stepped = super()._step(mean)
+        if self.ema is not None:
+            stepped = ops.depend(stepped, self.ema.ema_update())
+        return stepped
