@@ -67,8 +67,8 @@ class TrainOneStepWrapper(AccumulatingTrainOneStepCell):
             raise TypeError(argument_error(_NAME, "ema", "None or mindone.trainers.ema.EMA", ema))
         if check_int(updates, 0, "the argument 'updates'", "0", _NAME) != 0:
             raise ValueError(
-                f"For '{_NAME}', the argument 'updates' must be 0, but got {updates}: mindone's wrapper ignores it (the "
-                f"EMA counts its own updates). Pass the count to the EMA instead: EMA(network, updates={updates}).")
+                f"For '{_NAME}', the argument 'updates' must be 0, but got {updates}: mindone's wrapper ignores it "
+                f"(the EMA counts its own updates). Give the count to the EMA: EMA(network, updates={updates}).")
         drop_overflow_update = check_bool(drop_overflow_update, "drop_overflow_update", _NAME)
         gradient_accumulation_steps = check_positive_int(gradient_accumulation_steps, "gradient_accumulation_steps",
                                                          _NAME)

@@ -51,6 +51,18 @@ class TrainerStep(AccumulatingTrainOneStepCell):
         return self._optimize(clip_grad_norm(mean, self.max_norm), False)
 
 
+class _SumAndCount(nn.Cell):
+    """The loss network for ``per_token_loss=True``: the model's first two outputs, ``(loss_sum, token_count)``."""
+
+    def __init__(self, model: nn.Cell):
+        super().__init__(auto_prefix=False)
+        self.model = model
+
+    def construct(self, *inputs):
+        outputs = self.model(*inputs)
+        return outputs[0], outputs[1]
+
+
 class Trainer(_MindoneTrainer):
     r"""
     ``mindone.transformers.Trainer`` whose ``gradient_accumulation_steps`` trains exactly the full batch of
@@ -59,12 +71,15 @@ class Trainer(_MindoneTrainer):
 
     Args:
         \*args, \*\*kwargs: mindone's ``Trainer`` arguments.
-        per_token_loss, shared_inputs, check_loss: As for :class:`~ms_gradaccum.GradAccumulationCell` (keyword only):
-            a model whose loss is a mean over tokens is exact when it returns ``(loss_sum, token_count)`` with
-            ``per_token_loss=True``; a row-mean loss needs nothing.
+        per_token_loss (bool): Required (keyword only) with ``gradient_accumulation_steps > 1``. True: the model's first
+            two outputs are ``(loss_sum, token_count)`` (a loss that is a mean over tokens is exact only so); False:
+            its first output is the loss, a mean over rows.
+        shared_inputs, check_loss: As for :class:`~ms_gradaccum.GradAccumulationCell` (keyword only).
 
     Raises:
-        ValueError: At ``train()``, if ZeRO-3 is on (``use_zero3``), which shards what the micro-batches sum.
+        ValueError: At ``train()``, if `per_token_loss` is not given with ``gradient_accumulation_steps > 1``, ZeRO-3 is
+            on (``use_zero3``: it shards what the micro-batches sum), or `per_token_loss` is combined with label
+            smoothing.
 
     Supported Platforms:
         ``CPU``: with mindone 0.5.0 in CI, around a small ``PreTrainedModel`` of layers that run on CPU (its LLMs do
@@ -85,6 +100,15 @@ class Trainer(_MindoneTrainer):
             raise ValueError(
                 f"For '{_NAME}', ZeRO-3 (use_zero3) is not supported: it shards the parameters and gradients that the "
                 f"micro-batches sum. Train without ZeRO-3, or with mindone's own Trainer.")
+        if steps > 1 and not self.accumulation_spec.declared:
+            raise ValueError(
+                f"For '{_NAME}', with gradient_accumulation_steps={steps} the loss kind must be declared: pass "
+                f"Trainer(..., per_token_loss=False) if the model's loss is a mean over rows (every row weighs the "
+                f"same: classification, sequences without padding or ignored labels), or per_token_loss=True with a "
+                f"model whose first two outputs are (loss_sum, token_count). A causal LM's loss is a mean over its "
+                f"valid tokens: with padding or -100 labels its micro-batches hold different token counts, and "
+                f"weighting them by rows would not be the full batch's update (and a first-step check cannot tell "
+                f"while the per-token losses are alike).")
         per_device = args.per_device_train_batch_size
         self._micro_size = steps
         args.gradient_accumulation_steps, args.per_device_train_batch_size = 1, per_device * steps
@@ -104,5 +128,12 @@ class Trainer(_MindoneTrainer):
             raise TypeError(f"For '{_NAME}', mindone's _wrap_model built {type(built).__name__}, not its "
                             f"TrainOneStepWrapper: this mindone version is not the one ms_gradaccum adapts (0.5.0).")
         loss_network = built.network.network   # LossWithScaleSense(loss network, scaler)
+        if self.accumulation_spec.per_token_loss:
+            if self.label_smoother is not None:
+                raise ValueError(
+                    f"For '{_NAME}', per_token_loss=True cannot be combined with label smoothing "
+                    f"(label_smoothing_factor={self.args.label_smoothing_factor}): mindone's label smoother returns a "
+                    f"token mean, not (loss_sum, token_count).")
+            loss_network = _SumAndCount(model)
         return model, TrainerStep(loss_network, self.optimizer, self._micro_size, float(self.args.max_grad_norm),
                                   self.accumulation_spec)
