@@ -81,7 +81,7 @@ def _ema_weights(ema):
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
 def test_mindone_wrapper_short_batches_equal_full_batch_and_mindone_is_off(optimizer):
     """Windows of [4, 4] and [4, 2] rows: the full batches of 8 and 6 rows. mindone's own wrapper adds each batch's
-    mean / K whatever its rows: off by about a fifth of an update (0.209 measured with SGD)."""
+    mean / K whatever its rows: off by 0.303 of an update here with SGD."""
     batches = _batches([4, 4, 4, 2])
     expected, _ = _full_batch(batches, [2, 2], optimizer)
     actual, _, step, outputs = _wrapped(TrainOneStepWrapper, batches, 2, optimizer)
@@ -91,6 +91,8 @@ def test_mindone_wrapper_short_batches_equal_full_batch_and_mindone_is_off(optim
     assert step.pending_batches == 0 and _global_step(step.optimizer) == 2
     theirs, _, _, _ = _wrapped(MindoneWrapper, batches, 2, optimizer)
     off = max(update_ratios(theirs, expected, params_of(make_mlp())).values())
+    if optimizer == "sgd":
+        assert 0.25 < off < 0.35, off   # 0.303 of an update measured on these batches (the issue's: 0.209)
     assert off > 0.05, off
 
 
