@@ -27,7 +27,7 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._mindspore.cells import PRECISION_FLAGS
 from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._mindspore.surroundings import applied_sens, discover
-from ms_gradaccum._validation import argument_error, computes_in_float16
+from ms_gradaccum._validation import argument_error, check_positive_float, computes_in_float16
 
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)
 _SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
@@ -73,11 +73,7 @@ def check_max_grad_norm(value: Any, cls_name: str) -> Optional[float]:
     """``None`` (no clipping) or a positive finite float."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(argument_error(cls_name, "max_grad_norm", "None or a positive float", value))
-    if not np.isfinite(value) or value <= 0:
-        raise ValueError(argument_error(cls_name, "max_grad_norm", "None or a positive float", value))
-    return float(value)
+    return check_positive_float(value, "max_grad_norm", cls_name, "None or a positive float")
 
 
 class LossScale(PrecisionNeutral):

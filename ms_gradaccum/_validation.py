@@ -95,6 +95,15 @@ def check_bool(value: Any, arg_name: str, cls_name: str) -> bool:
     return bool(value)
 
 
+def check_positive_float(value: Any, arg_name: str, cls_name: str, expected: str = "a positive float") -> float:
+    """Return ``value`` as a float if it is a real number, finite and > 0 (bool is not a number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(argument_error(cls_name, arg_name, expected, value))
+    if not 0 < value < float("inf"):
+        raise ValueError(argument_error(cls_name, arg_name, expected, value))
+    return float(value)
+
+
 REDUCTIONS = ("mean", "sum")
 
 

@@ -57,7 +57,7 @@ from ms_gradaccum._mindspore.patches import Patch
 from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES
 from ms_gradaccum._spec import LossSpec
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
-from ms_gradaccum._validation import argument_error, check_bool, check_positive_int
+from ms_gradaccum._validation import argument_error, check_bool, check_positive_float, check_positive_int
 from ms_gradaccum._window import StateUnderOptimizer
 
 __all__ = ["GradAccumulationWrapper", "check_trainer_config"]
@@ -70,15 +70,6 @@ MINDFORMERS_KEYS = ("use_clip_grad", "max_grad_norm", "scale_sense", "local_norm
                     "global_norm_spike_threshold", "use_skip_data_by_global_norm", "print_separate_loss",
                     "lr_scheduler", "grouped_lr_scheduler")
 PACKAGE_KEYS = ("micro_size", "accumulate_steps", "per_token_loss", "shared_inputs", "steps_per_epoch", "check_loss")
-
-
-def _positive_float(value: Any, key: str) -> float:
-    expected = "a positive float"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(argument_error(_NAME, key, expected, value))
-    if not value > 0 or value == float("inf"):
-        raise ValueError(argument_error(_NAME, key, expected, value))
-    return float(value)
 
 
 class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
@@ -239,9 +230,9 @@ def _mindformers_keys(given: dict) -> dict:
     for key in ("use_clip_grad", "local_norm", "calculate_per_token_loss", "use_skip_data_by_global_norm",
                 "print_separate_loss"):
         keys[key] = False if keys[key] is None else check_bool(keys[key], key, _NAME)
-    keys["max_grad_norm"] = _positive_float(keys["max_grad_norm"], "max_grad_norm")
-    keys["global_norm_spike_threshold"] = _positive_float(keys["global_norm_spike_threshold"],
-                                                          "global_norm_spike_threshold")
+    keys["max_grad_norm"] = check_positive_float(keys["max_grad_norm"], "max_grad_norm", _NAME)
+    keys["global_norm_spike_threshold"] = check_positive_float(keys["global_norm_spike_threshold"],
+                                                               "global_norm_spike_threshold", _NAME)
     if keys["local_norm"]:
         raise ValueError(
             f"For '{_NAME}', local_norm=True is not supported: it reports every step's per-rank gradient norms, and "

@@ -1,26 +1,16 @@
 """mindone's diffusion train step (``mindone.trainers.train_step.TrainOneStepWrapper``) on this package's
 accumulation."""
-import numbers
-from typing import Any, Optional
+from typing import Optional
 
 from mindone.trainers.ema import EMA
 from mindspore import nn, ops
 
 from ms_gradaccum._spec import LossSpec
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
-from ms_gradaccum._validation import argument_error, check_bool, check_int, check_positive_int
+from ms_gradaccum._validation import argument_error, check_bool, check_int, check_positive_float, check_positive_int
 from ms_gradaccum._window import StateUnderOptimizer
 
 _NAME = "TrainOneStepWrapper"
-
-
-def _positive_float(value: Any, arg_name: str) -> float:
-    expected = "a positive finite float"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(argument_error(_NAME, arg_name, expected, value))
-    if not 0 < value < float("inf"):
-        raise ValueError(argument_error(_NAME, arg_name, expected, value))
-    return float(value)
 
 
 class TrainOneStepWrapper(AccumulatingTrainOneStepCell):
@@ -73,7 +63,7 @@ class TrainOneStepWrapper(AccumulatingTrainOneStepCell):
         gradient_accumulation_steps = check_positive_int(gradient_accumulation_steps, "gradient_accumulation_steps",
                                                          _NAME)
         clip_grad = check_bool(clip_grad, "clip_grad", _NAME)
-        clip_norm = _positive_float(clip_norm, "clip_norm")
+        clip_norm = check_positive_float(clip_norm, "clip_norm", _NAME)
         check_bool(verbose, "verbose", _NAME)
         # This package's arguments, checked under this class's name (the core checks them again under its own).
         LossSpec.of(_NAME, micro_size=micro_size, per_token_loss=per_token_loss, shared_inputs=shared_inputs,
@@ -91,10 +81,19 @@ class TrainOneStepWrapper(AccumulatingTrainOneStepCell):
                          check_loss=check_loss)
         self.ema = ema
         self.skips_overflow = drop_overflow_update
-        self.drop_overflow_update, self.clip_grad, self.clip_norm = drop_overflow_update, clip_grad, clip_norm
-        self.verbose = verbose
+        self.clip_norm, self.verbose = clip_norm, verbose
         # mindone's resume_train_network loads a checkpoint into the network and the optimizer only.
         optimizer.insert_child_to_cell("grad_accumulation_state", StateUnderOptimizer(self.state()))
+
+    @property
+    def drop_overflow_update(self) -> bool:
+        """mindone's name for whether an overflowing window's step is skipped."""
+        return self.skips_overflow
+
+    @property
+    def clip_grad(self) -> bool:
+        """mindone's name for whether the window's gradient is clipped (to `clip_norm`)."""
+        return self.clip
 
     def _step(self, mean):
         """Clipping and the optimizer (as the core), then the EMA, once per optimizer step, on the updated weights."""
