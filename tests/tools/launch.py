@@ -115,3 +115,16 @@ def run_worker_ranks(model: str, kind: str, micro_size: int, batch: int, log_dir
           DATA_PARALLEL="1", **env)
     with open(os.path.join(log_dir, "worker_0.log"), encoding="utf-8", errors="replace") as handle:
         return _bench_result(handle.read())
+
+
+def import_without(module: str, hidden: str) -> str:
+    """In a fresh process: ``import ms_gradaccum`` must leave the third-party package `hidden` unimported; then, with
+    `hidden` made unimportable, ``import module``. Returns the ImportError's message (fails if the import worked)."""
+    code = (f"import sys, ms_gradaccum; assert {hidden!r} not in sys.modules, 'ms_gradaccum imported {hidden}'\n"
+            f"sys.modules[{hidden!r}] = None   # as if not installed\n"
+            f"try:\n    import {module}\nexcept ImportError as error:\n    print('IMPORT ERROR:', error)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=repo_env(GLOG_v="3"), capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "IMPORT ERROR:" in done.stdout, f"import {module} worked without {hidden}: {done.stdout[-2000:]}"
+    return done.stdout
