@@ -36,6 +36,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
 from ms_gradaccum._mindspore.routing import parallel_mode
+from ms_gradaccum._mindspore.surroundings import one_walk
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import assemble, check_loss_output, input_kinds, partition, plan, plan_inputs
 from ms_gradaccum._reduce import Unsaved
@@ -272,11 +273,12 @@ def prepared_for(owner: nn.Cell, inputs: tuple):
 
 class PreparedCalls:
     """Mixed into the package cells (before ``nn.Cell``): in PyNative mode each call runs the loss contract's eager pass
-    on its batch first (in graph mode that happens where the graph compiles, :func:`around_compile`)."""
+    on its batch first and finds the cell's surroundings once (in graph mode both happen where the graph compiles,
+    :func:`around_compile` and ``surroundings.around_compile``)."""
 
     def __call__(self, *args, **kwargs):
         if ms.get_context("mode") == ms.PYNATIVE_MODE:
-            with prepared_for(self, args):
+            with prepared_for(self, args), one_walk():
                 return super().__call__(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 

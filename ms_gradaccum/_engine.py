@@ -26,6 +26,7 @@ from ms_gradaccum import _contract
 from ms_gradaccum._contract import ContractCheck
 from ms_gradaccum import _errors
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
+from ms_gradaccum._mindspore import surroundings
 from ms_gradaccum._mindspore.patches import GRAPH_COMPILE, ZEROS_LIKE
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._spec import LossSpec
@@ -137,8 +138,9 @@ class MicroBatchGradients(PrecisionNeutral):
     def __init__(self, network: nn.Cell, spec: LossSpec, overwrite: bool, targets: Callable, cls_name: str,
                  accumulates: bool):
         super().__init__(auto_prefix=False)
-        # Around every graph compile: the mark _errors reads, then the loss contract's eager pass (_contract); errors
-        # the network raises on a micro-batch say so (_errors).
+        # Around every graph compile: one discovery of the surroundings per cell, the mark _errors reads, then the loss
+        # contract's eager pass (_contract); errors the network raises on a micro-batch say so (_errors).
+        GRAPH_COMPILE.around(surroundings.around_compile)
         GRAPH_COMPILE.around(_errors.around_compile)
         GRAPH_COMPILE.around(_contract.around_compile)
         GRAPH_COMPILE.decorate_errors(_errors.micro_batch_context)

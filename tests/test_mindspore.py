@@ -138,10 +138,11 @@ def test_mindspore_enclosing_cells_found_from_the_stack():
             self.top = top
 
         def look(self):
-            return surroundings.enclosing_train_cell(inner), surroundings.enclosing_optimizer(inner)
+            found = surroundings.discover(inner)
+            return found.train_cell, found.optimizer
 
     assert Frame(wrapper).look() == (wrapper, optimizer)
-    assert surroundings.enclosing_train_cell(inner) is None and surroundings.enclosing_optimizer(inner) is None
+    assert surroundings.discover(inner).train_cell is None and surroundings.discover(inner).optimizer is None
 
 
 def test_mindspore_differentiated_weights_found_from_the_grad_call():
@@ -297,3 +298,35 @@ def test_mindspore_discovery_keeps_no_description_of_a_cell():
     assert not held, held
     # Control: a description is what discover returns (outside a compile: nothing around the cell).
     assert surroundings.discover(cell) == surroundings.Surroundings(None, None, None, None, False)
+
+
+@pytest.mark.parametrize("mode", ["graph", "pynative"])
+def test_mindspore_discovery_walks_once_per_compile_or_pynative_call(monkeypatch, mode):
+    # Every read during one graph compile (or one PyNative call) gets the description of one walk of the stack: the
+    # compile checks, the loss scale, the trained weights and the optimizer check all read it (17 walks per compile
+    # before, 6 per PyNative call).
+    from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # pylint: disable=import-outside-toplevel
+    from helpers import ce, classification_batches, make_mlp, make_optimizer   # pylint: disable=import-outside-toplevel
+    walks = []
+    walk = surroundings._walk  # pylint: disable=protected-access
+    monkeypatch.setattr(surroundings, "_walk", lambda cell: walks.append(type(cell).__name__) or walk(cell))
+    x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    try:
+        net = make_mlp()
+        cell = GradAccumulationCell(nn.WithLossCell(net, ce()), 4)
+        step = nn.TrainOneStepCell(cell, make_optimizer("sgd", net.trainable_params()))
+        step(x, y)
+        assert walks == ["GradAccumulationCell"]
+        step(x, y)   # graph mode: the compiled graph runs, nothing is found again; PyNative: one walk per call
+        assert walks == ["GradAccumulationCell"] * (1 if mode == "graph" else 2)
+        walks.clear()
+        net = make_mlp()
+        AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()), 2)(x, y)
+        assert walks == ["AccumulatingTrainOneStepCell"]
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
+    # Control: outside a compile or a call, every read walks (and finds nothing around the cell).
+    walks.clear()
+    assert surroundings.discover(cell).train_cell is None and surroundings.discover(cell).train_cell is None
+    assert walks == ["GradAccumulationCell"] * 2

@@ -3,8 +3,11 @@
 MindSpore keeps no parent pointer, and GraphExecutor does not expose the cell being compiled. The top cell is the
 `self` of Cell.compile's frame (graph mode) or of the constructs being called (PyNative), so the cells around a cell
 are found among the cells of the frames on the stack. A nested ms.jit graph compiles apart, without them: callers
-resolve in their own construct and remember the result. Checked 2.7.0-2.10.0.
+resolve in their own construct and remember the result. The stack is walked once per cell and compile (or PyNative
+call) into one frozen :class:`Surroundings` (:func:`discover`), which every read during that compile gets. Checked
+2.7.0-2.10.0.
 """
+import contextlib
 import dataclasses
 import sys
 import weakref
@@ -50,25 +53,6 @@ def _enclosing_cells(cell: nn.Cell) -> list:
     found.sort(key=lambda c: len(list(c.cells_and_names())))
     _ENCLOSING_CACHE[cell] = (tuple(weakref.ref(root) for root in roots), tuple(weakref.ref(c) for c in found))
     return found
-
-
-def enclosing_train_cell(cell: nn.Cell) -> Optional[nn.TrainOneStepCell]:
-    """The innermost ``nn.TrainOneStepCell`` (or subclass: ``Model``'s, the loss-scale cells, this package's)
-    whose tree holds `cell`, among the cells being compiled or called; ``None`` outside any (functional style)."""
-    return next((c for c in _enclosing_cells(cell) if isinstance(c, nn.TrainOneStepCell)), None)
-
-
-def enclosing_loss_wrapper(cell: nn.Cell) -> Optional[nn.Cell]:
-    """The cell around `cell` that computes a loss of its output, holding it as ``_backbone`` (``nn.WithLossCell``, and
-    the one ``Model(network, loss_fn=...)`` builds in mindspore/train/amp.py::_add_loss_network); ``None`` if none."""
-    return next((c for c in _enclosing_cells(cell) if c.__dict__.get("_cells", {}).get("_backbone") is cell), None)
-
-
-def enclosing_optimizer(cell: nn.Cell) -> Optional[nn.Optimizer]:
-    """The optimizer of the innermost cell around `cell` that holds one as ``.optimizer`` (every
-    ``nn.TrainOneStepCell``, and hand-written train cells written as MindSpore's tutorials write them);
-    ``None`` outside any."""
-    return _optimizer_of(_enclosing_cells(cell))
 
 
 # The weights of a mindspore.grad / value_and_grad call (functional style, no train cell). MindSpore's
@@ -201,13 +185,44 @@ class Surroundings:
     under_model: bool                           # whether Model.train is running it
 
 
-def discover(cell: nn.Cell) -> Surroundings:
-    """The surroundings of `cell`, found in one walk of the stack into one frozen description.
+# The descriptions found during the compiles (and PyNative calls) under way, innermost last: {id(cell): (cell,
+# description)}. Each lives only as long as its compile: a description holds the train cell, so keeping it longer
+# (even in a table keyed weakly by the cell) kept every compiled cell alive.
+_SCOPES: list = []
 
-    Not memoised: within one compile the frames differ between reads (a compile-time attribute is read while the graph
-    is parsed, the compile checks run later), and frame identities are reused once frames end, so a cache keyed by
-    them returned a description of frames that were gone. Each read walks again; the cells around are cached by the
-    cells on the stack (_enclosing_cells)."""
+
+@contextlib.contextmanager
+def one_walk():
+    """For the duration (one graph compile, or one call in PyNative mode), :func:`discover` walks once per cell and
+    every later read gets that description; nothing is kept after."""
+    _SCOPES.append({})
+    try:
+        yield
+    finally:
+        _SCOPES.pop()
+
+
+def around_compile(cell: nn.Cell, args: tuple):   # pylint: disable=unused-argument
+    """:func:`one_walk` around each compile of a cell (a hook of _mindspore.patches.GRAPH_COMPILE)."""
+    return one_walk()
+
+
+def discover(cell: nn.Cell) -> Surroundings:
+    """The surroundings of `cell`: found in one walk of the stack into one frozen description, once per compile or
+    PyNative call (:func:`one_walk`); outside them (a Python read, a ``jit`` function compiled in PyNative mode) each
+    read walks."""
+    scope = _SCOPES[-1] if _SCOPES else None
+    if scope is not None:
+        found = scope.get(id(cell))
+        if found is not None and found[0] is cell:
+            return found[1]
+    description = _walk(cell)
+    if scope is not None:
+        scope[id(cell)] = (cell, description)
+    return description
+
+
+def _walk(cell: nn.Cell) -> Surroundings:
     enclosing = _enclosing_cells(cell)
     optimizer = _optimizer_of(enclosing)
     differentiated = None
