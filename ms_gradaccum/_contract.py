@@ -224,8 +224,8 @@ class ContractCheck(PrecisionNeutral):
                 checked = self.checked
                 if not checked:
                     if self.eager:
-                        reference = self.reference
-                        out = (reference[0], reference[0], reference[1])
+                        value, count = ops.unstack(self.reference)
+                        out = (value, value, count)
                     else:
                         shared, constants, layout = others
                         pair = ()

@@ -113,8 +113,10 @@ class ScaledLoss(PrecisionNeutral):
 
 
 def _unpack(packed):
-    """The six tallies (value, count, smallest, finite, pair_value, pair_count) of the loop's packed vector."""
-    return packed[0], packed[1], packed[2], packed[3], packed[4], packed[5]
+    """The six tallies (value, count, smallest, finite, pair_value, pair_count) of the loop's packed vector. One
+    Unstack, not six indexings: a Tensor's ``[k]`` compiles through MindSpore's indexing functions each time it is
+    written (docs/measurements.md)."""
+    return ops.unstack(packed)
 
 
 class MicroBatchGradients(PrecisionNeutral):
