@@ -1,0 +1,143 @@
+"""How far the package's compile time is from the least an accumulating step can cost, side by side in one run.
+
+    python benchmarks/compile_probe.py              # lm2 and lm6, 3 repeats each (about 5 min on 2 cores)
+    python benchmarks/compile_probe.py --models lm2 --repeats 5
+
+Cell.compile of the training step on the benchmark's language model (batch 16, micro_size 4), each configuration in a
+process of its own, REPEATS times round-robin, the minimum counted:
+
+- plain: ``nn.TrainOneStepCell`` on the full batch (the reference);
+- package: ``nn.TrainOneStepCell(GradAccumulationCell(lm, 4))``, with the loss contract's check and with
+  ``check_loss=False``;
+- floor: the same structure with nothing but the mechanism, a probe that is not the product: a graph-mode while loop
+  over the micro-batches running ``value_and_grad`` and adding the gradients into Parameter buffers in place, inside a
+  cell whose bprop returns zeros (opaque to the outer gradient), and the package's ``GradientOf`` handing each buffer
+  to the optimizer. No input planning, tallies, loss checks, loss scale or uneven splits: it is exact only for a mean
+  loss on a batch micro_size divides.
+
+The gap between "package" and "floor" is what the package's own graph code costs to compile; "floor" against "plain"
+is what the mechanism costs (docs/measurements.md, "Compile time: where it goes").
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+KINDS = ("plain", "package", "package_unchecked", "floor")
+MICRO_SIZE, BATCH = 4, 16
+
+
+def build(kind: str, model: str):
+    """The train cell of `kind` and its inputs."""
+    import mindspore as ms
+    from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
+    import worker
+    from ms_gradaccum import GradAccumulationCell
+    from ms_gradaccum._cell import GradientOf, _hand_over
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_seed(0)
+    x, y = worker._data(model, BATCH)   # pylint: disable=protected-access
+    net = worker._LanguageModel(int(model[2:]))   # pylint: disable=protected-access
+    weights = ParameterTuple(net.trainable_params())
+    optimizer = nn.SGD(weights, 0.01)
+    if kind == "plain":
+        return nn.TrainOneStepCell(net, optimizer), (Tensor(x), Tensor(y))
+    if kind.startswith("package"):
+        cell = GradAccumulationCell(net, MICRO_SIZE, check_loss=kind == "package")
+        return nn.TrainOneStepCell(cell, optimizer), (Tensor(x), Tensor(y))
+
+    buffers = ParameterTuple([Parameter(ops.zeros_like(w), name="probe." + w.name, requires_grad=False)
+                              for w in weights])
+    add_into = ops.MultitypeFuncGraph("add_into")
+
+    @add_into.register("Tensor", "Tensor")
+    def _add(buffer, grad):
+        return ops.assign_add(buffer, grad)
+
+    class Loop(nn.Cell):
+        """The micro-batch loop, opaque to the outer gradient; returns the mean loss."""
+
+        def __init__(self):
+            super().__init__()
+            self.net, self.buffers, self.hyper_map = net, buffers, ops.HyperMap()
+            self.zeros_like = ops.ZerosLike()
+
+        def construct(self, ids, labels):
+            ids = ids.reshape((MICRO_SIZE, -1) + ids.shape[1:])
+            labels = labels.reshape((MICRO_SIZE, -1) + labels.shape[1:])
+            i, total = Tensor(0, ms.int32), Tensor(0.0, ms.float32)
+            while i < MICRO_SIZE:
+                micro = (ops.gather(ids, i, 0), ops.gather(labels, i, 0))
+                loss, grads = ms.value_and_grad(self.net, None, weights)(*micro)
+                total = total + ops.depend(loss, self.hyper_map(add_into, self.buffers, grads))
+                i = i + 1
+            return total / MICRO_SIZE
+
+        def bprop(self, ids, labels, out, dout):
+            return self.zeros_like(ids), self.zeros_like(labels)
+
+    class Floor(nn.Cell):
+        """Loss from the loop; each weight's gradient is its buffer / micro_size (GradientOf)."""
+
+        def __init__(self):
+            super().__init__()
+            self.loop, self.buffers, self.gradient_of, self.hyper_map = Loop(), buffers, GradientOf(), ops.HyperMap()
+
+        def construct(self, ids, labels):
+            loss = ops.stop_gradient(self.loop(ids, labels))
+            divisor = ops.stop_gradient(ops.depend(Tensor(float(MICRO_SIZE), ms.float32), loss))
+            zeros = self.hyper_map(ops.partial(_hand_over, self.gradient_of, divisor), weights, self.buffers)
+            return loss + ops.stack(zeros).sum()
+
+    return nn.TrainOneStepCell(Floor(), optimizer), (Tensor(x), Tensor(y))
+
+
+def measure(kind: str, model: str) -> None:
+    """In a process of its own: compile, print the seconds, and the first step's loss (the floor must train)."""
+    sys.path.insert(0, HERE)
+    cell, inputs = build(kind, model)
+    start = time.perf_counter()
+    cell.compile(*inputs)
+    seconds = time.perf_counter() - start
+    print(f"PROBE {seconds:.3f} {float(cell(*inputs).asnumpy().reshape(-1)[0]):.6f}", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["lm2", "lm6"], choices=["lm2", "lm4", "lm6"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    env = dict(os.environ, GLOG_v="3", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    best, losses = {}, {}
+    for _ in range(args.repeats):
+        for model in args.models:
+            for kind in KINDS:
+                done = subprocess.run([sys.executable, __file__, "--measure", kind, model], env=env,
+                                      capture_output=True, text=True, timeout=600, check=False)
+                found = [line.split() for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+                if done.returncode != 0 or not found:
+                    print(f"{model} {kind} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-1500:]}",
+                          file=sys.stderr)
+                    return 1
+                seconds, loss = float(found[0][1]), float(found[0][2])
+                best[model, kind] = min(best.get((model, kind), seconds), seconds)
+                losses[model, kind] = loss
+    print(f"| model | {' | '.join(KINDS)} |\n|---|{'---|' * len(KINDS)}")
+    for model in args.models:
+        plain = best[model, "plain"]
+        cells = [f"{best[model, kind]:.2f} s ({best[model, kind] / plain:.2f}x)" for kind in KINDS]
+        print(f"| {model} | {' | '.join(cells)} |")
+    print(f"(minimum of {args.repeats}, compile of the train step, batch {BATCH}, micro_size {MICRO_SIZE}; first-step "
+          f"losses: " + ", ".join(f"{m} {k} {v:.6f}" for (m, k), v in sorted(losses.items())) + ")")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--measure":
+        measure(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())
