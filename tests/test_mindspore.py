@@ -116,6 +116,41 @@ def test_mindspore_compile_checks_reach_the_user_unchanged():
         _Checked()(Tensor(np.ones(2, np.float32)))
 
 
+def _eager_state():
+    from mindspore import context
+    from mindspore._c_expression import ms_ctx_param
+    return (ms.get_context("mode"), graph.PYNATIVE_EXECUTOR.enable_grad(),
+            bool(context._context().get_param(ms_ctx_param.pynative_synchronize)))
+
+
+@pytest.mark.parametrize("user_synchronous", [False, True])
+def test_mindspore_eager_mode_runs_synchronously_on_cpu_and_restores_everything(user_synchronous):
+    # The loss contract's pass runs in eager_mode: PyNative, no gradient recording, and on CPU synchronous execution
+    # (PyNative's asynchronous pipeline costs more than the operators there). All three come back as they were, also
+    # after an error and when the user had asked for synchronous execution themselves.
+    from mindspore import context
+    from mindspore._c_expression import ms_ctx_param
+    ms.set_context(mode=ms.GRAPH_MODE)
+    context._context().set_param(ms_ctx_param.pynative_synchronize, user_synchronous)
+    try:
+        before = _eager_state()
+        assert before == (ms.GRAPH_MODE, graph.PYNATIVE_EXECUTOR.enable_grad(), user_synchronous)
+        net = nn.Dense(3, 2)
+        x = Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+        with graph.eager_mode():
+            assert _eager_state() == (ms.PYNATIVE_MODE, False, True)
+            eager = net(x).asnumpy()
+        assert _eager_state() == before
+        with pytest.raises(ValueError, match="inside"):
+            with graph.eager_mode():
+                raise ValueError("inside")
+        assert _eager_state() == before
+        # The same numbers as the compiled network's (the mode only changes how the operators are run).
+        np.testing.assert_allclose(eager, net(x).asnumpy(), rtol=1e-6)
+    finally:
+        context._context().set_param(ms_ctx_param.pynative_synchronize, False)
+
+
 def test_mindspore_model_routes_by_class_name():
     # What ROUTED_NAMES stands for: Model picks MindSpore's accumulating train cell by cls_name.
     from mindspore.train.amp import _is_grad_accumulation  # pylint: disable=import-outside-toplevel

@@ -9,7 +9,9 @@ import sys
 import weakref
 
 import mindspore as ms
+from mindspore import context as _context_module
 from mindspore import nn
+from mindspore._c_expression import ms_ctx_param as _CONTEXT_PARAM
 from mindspore.ops.primitive import _primexpr as primexpr
 
 try:
@@ -83,6 +85,12 @@ def compiling_graph() -> bool:
 
 
 # Running a network eagerly from anywhere.
+# On CPU the pass also runs synchronously: PyNative's asynchronous pipeline hands every operator to worker threads,
+# which on a CPU (the "device" being the host) costs more than the operators themselves. The loss contract's pass of
+# the 6-layer benchmark LM took 0.55 s cold / 0.37-0.44 s warm asynchronously and 0.22 s / 0.06-0.07 s synchronously
+# (docs/measurements.md). The flag is the one set_context(pynative_synchronize=...) sets, read and restored through the
+# context object, because set_context warns that the key is deprecated (for the one-way runtime.launch_blocking()).
+# On GPU/Ascend the asynchronous pipeline overlaps the host with the device, so it is left as it is there.
 # The loss contract's check (_contract) runs the network forward outside any graph, before the first step: from Python
 # in GRAPH_MODE too (before a graph compiles). MindSpore switches modes with set_context(mode=...) at any time (a graph
 # already compiled is kept and runs as before; checked 2.7.0 and 2.10.0); gradient recording is off for the pass (the
@@ -90,20 +98,26 @@ def compiling_graph() -> bool:
 # inside a PyNative train step records nothing.
 @contextlib.contextmanager
 def eager_mode():
-    """PyNative mode without gradient recording, for the duration; the mode and recording are restored after. On an
-    error, what PyNative recorded is cleared (as MindSpore does when a jit compile fails)."""
+    """PyNative mode without gradient recording (and, on CPU, with synchronous execution), for the duration; the mode,
+    recording and execution are restored after. On an error, what PyNative recorded is cleared (as MindSpore does when
+    a jit compile fails)."""
     executor = PYNATIVE_EXECUTOR
     mode = ms.get_context("mode")
     recording = executor.enable_grad()
+    context = _context_module._context()   # pylint: disable=protected-access
+    synchronous = context.get_param(_CONTEXT_PARAM.pynative_synchronize)
     if mode != ms.PYNATIVE_MODE:
         ms.set_context(mode=ms.PYNATIVE_MODE)
     executor.set_enable_grad(False)
+    if ms.get_context("device_target") == "CPU":
+        context.set_param(_CONTEXT_PARAM.pynative_synchronize, True)
     try:
         yield
     except Exception:
         executor.clear_res()
         raise
     finally:
+        context.set_param(_CONTEXT_PARAM.pynative_synchronize, synchronous)
         executor.set_enable_grad(recording)
         if mode != ms.PYNATIVE_MODE:
             ms.set_context(mode=mode)
