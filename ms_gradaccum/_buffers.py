@@ -111,9 +111,14 @@ _zero = ops.MultitypeFuncGraph("_zero")
 _divide = ops.MultitypeFuncGraph("_divide")
 
 
+_CAST = ops.Cast()
+
+
 @_add_into.register("Tensor", "Tensor")
 def _add_into_buffer(buffer, grad):
-    return ops.assign_add(buffer, ops.cast(grad, buffer.dtype))
+    # The Cast primitive, not the ops.cast function: one node per weight instead of a subgraph (a no-op Cast is
+    # removed by the optimizer).
+    return ops.assign_add(buffer, _CAST(grad, buffer.dtype))
 
 
 @_zero.register("Tensor", "Tensor")

@@ -30,6 +30,13 @@ def plan(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
     return ((extra, rows + 1), (k - extra, rows))
 
 
+@primexpr
+def planned(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
+    """:func:`plan` while a graph compiles: one constant, instead of plan's Python compiled as graph code (each
+    ``min``, ``divmod`` and tuple in it a subgraph of its own)."""
+    return plan(batch, micro_size)
+
+
 # How each input of the network reaches the micro-batches (the layout, decided when the graph compiles).
 SPLIT, SHARED, CONSTANT = 0, 1, 2
 
@@ -103,8 +110,17 @@ def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple,
     return layout
 
 
+@primexpr
+def all_split(layout: tuple) -> bool:
+    """Whether every input is split (the common case: :func:`partition` and :func:`assemble` pass the inputs as
+    they are, and the graph holds none of their per-input tuple building)."""
+    return all(kind == SPLIT for kind, _ in layout)
+
+
 def partition(inputs: tuple, layout: tuple) -> Tuple[tuple, tuple, tuple]:
     """``(split, shared, constants)``: the inputs by their kind in `layout`, each in order."""
+    if all_split(layout):
+        return inputs, (), ()
     split, shared, constants = (), (), ()
     for position in range(len(layout)):
         kind = layout[position][0]
@@ -119,6 +135,8 @@ def partition(inputs: tuple, layout: tuple) -> Tuple[tuple, tuple, tuple]:
 
 def assemble(micro: tuple, shared: tuple, constants: tuple, layout: tuple) -> tuple:
     """The network's inputs for one micro-batch, in their original order: `micro` holds the split ones."""
+    if all_split(layout):
+        return micro
     args = ()
     for kind, index in layout:
         if kind == SPLIT:
@@ -173,7 +191,7 @@ def split_batch(inputs: tuple, micro_size: int) -> Tuple:
     first_shape = inputs[0].shape
     parts = ()
     start = 0
-    for count, rows in plan(first_shape[0], micro_size):
+    for count, rows in planned(first_shape[0], micro_size):
         split = ()
         for x in inputs:
             part = x[start:start + count * rows] if count * rows != first_shape[0] else x

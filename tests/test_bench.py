@@ -95,3 +95,12 @@ def test_bench_compile_probe_prints_the_floor_beside_the_package():
     assert abs(after["floor"] - after["package"]) < 1e-6 and abs(after["package_unchecked"] - after["package"]) < 1e-6
     assert abs(after["plain"] - after["floor"]) < 1e-4, after
     assert abs(after["floor"] - before["floor"]) > 1e-3, (after, before)
+    # The graph sizes after type inference: parsed from the IR MindSpore dumped, one row of four "subgraphs / nodes".
+    # Ordered as the configurations are built: the floor adds the loop and the hand-over to the plain step, the
+    # package its own graph code to the floor.
+    sizes = next(line for line in done.stdout.split("subgraphs / nodes")[0].splitlines()[::-1]
+                 if line.startswith("| lm2 |"))
+    counts = [tuple(int(n) for n in cell.split(" / ")) for cell in sizes.strip("| ").split(" | ")[1:]]
+    assert len(counts) == 4 and all(graphs > 100 and nodes > graphs for graphs, nodes in counts), sizes
+    plain, package, unchecked, floor = counts
+    assert plain[1] < floor[1] < unchecked[1] and floor[1] < package[1], sizes
