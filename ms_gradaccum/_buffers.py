@@ -111,20 +111,20 @@ _zero = ops.MultitypeFuncGraph("_zero")
 _divide = ops.MultitypeFuncGraph("_divide")
 
 
-_CAST = ops.Cast()
+# Primitives, not the ops.cast / ops.assign / ops.assign_add functions: one node per weight instead of a call into a
+# subgraph of its own (compile_probe's graph size; a Cast to the same dtype is removed by the optimizer).
+_CAST, _ASSIGN, _ASSIGN_ADD = ops.Cast(), ops.Assign(), ops.AssignAdd()
 
 
 @_add_into.register("Tensor", "Tensor")
 def _add_into_buffer(buffer, grad):
-    # The Cast primitive, not the ops.cast function: one node per weight instead of a subgraph (a no-op Cast is
-    # removed by the optimizer).
-    return ops.assign_add(buffer, _CAST(grad, buffer.dtype))
+    return _ASSIGN_ADD(buffer, _CAST(grad, buffer.dtype))
 
 
 @_zero.register("Tensor", "Tensor")
 def _zero_buffer(after, buffer):
     # The data dependency on `after` orders the reset after whatever `after` stands for (e.g. the optimizer).
-    return ops.assign(buffer, ops.depend(ZEROS_LIKE(buffer), after))
+    return _ASSIGN(buffer, ops.depend(ZEROS_LIKE(buffer), after))
 
 
 @_divide.register("Tensor", "Tensor")
