@@ -118,6 +118,16 @@ def measure(kind: str, model: str) -> None:
     print(f"PROBE {seconds:.3f} {second:.8f} {first:.8f}", flush=True)
 
 
+def run_measure(kind: str, model: str, env: dict) -> subprocess.CompletedProcess:
+    """:func:`measure` of `kind` on `model` in a process of its own."""
+    return subprocess.run([sys.executable, __file__, "--measure", kind, model], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+
+
+def table_header() -> str:
+    return f"| model | {' | '.join(KINDS)} |\n|---|{'---|' * len(KINDS)}"
+
+
 def graph_size(ir_text: str) -> tuple:
     """``(subgraphs, nodes)`` of a MindSpore IR dump: its ``subgraph @name(...) {`` blocks and the CNodes in them."""
     return (len(re.findall(r"^subgraph @", ir_text, re.M)), len(re.findall(r"^  %\d+\(", ir_text, re.M)))
@@ -126,9 +136,8 @@ def graph_size(ir_text: str) -> tuple:
 def inferred_size(kind: str, model: str, env: dict) -> tuple:
     """`kind`'s train step compiled in a process of its own with the IR dumped after type inference: its size."""
     with tempfile.TemporaryDirectory(prefix="compile_probe_ir_") as folder:
-        dump = dict(env, MS_DEV_SAVE_GRAPHS="1", MS_DEV_DUMP_IR_PASSES="type_inference", MS_DEV_SAVE_GRAPHS_PATH=folder)
-        done = subprocess.run([sys.executable, __file__, "--measure", kind, model], env=dump, capture_output=True,
-                              text=True, timeout=600, check=False)
+        done = run_measure(kind, model, dict(env, MS_DEV_SAVE_GRAPHS="1", MS_DEV_DUMP_IR_PASSES="type_inference",
+                                             MS_DEV_SAVE_GRAPHS_PATH=folder))
         found = glob.glob(os.path.join(folder, "**", "*type_inference*.ir"), recursive=True)
         if done.returncode != 0 or len(found) != 1:
             raise RuntimeError(f"{model} {kind}: no IR after type inference ({done.returncode}, {found}):\n"
@@ -147,8 +156,7 @@ def main(argv=None) -> int:
     for _ in range(args.repeats):
         for model in args.models:
             for kind in KINDS:
-                done = subprocess.run([sys.executable, __file__, "--measure", kind, model], env=env,
-                                      capture_output=True, text=True, timeout=600, check=False)
+                done = run_measure(kind, model, env)
                 found = [line.split() for line in done.stdout.splitlines() if line.startswith("PROBE ")]
                 if done.returncode != 0 or not found:
                     print(f"{model} {kind} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-1500:]}",
@@ -157,7 +165,7 @@ def main(argv=None) -> int:
                 seconds, loss = float(found[0][1]), (float(found[0][2]), float(found[0][3]))
                 best[model, kind] = min(best.get((model, kind), seconds), seconds)
                 losses[model, kind] = loss
-    print(f"| model | {' | '.join(KINDS)} |\n|---|{'---|' * len(KINDS)}")
+    print(table_header())
     for model in args.models:
         plain = best[model, "plain"]
         cells = [f"{best[model, kind]:.2f} s ({best[model, kind] / plain:.2f}x)" for kind in KINDS]
@@ -165,7 +173,7 @@ def main(argv=None) -> int:
     print(f"(minimum of {args.repeats}, compile of the train step, batch {BATCH}, micro_size {MICRO_SIZE}; losses "
           f"after one update (before): " + ", ".join(f"{m} {k} {v[0]:.8f} ({v[1]:.8f})"
                                                      for (m, k), v in sorted(losses.items())) + ")")
-    print(f"\n| model | {' | '.join(KINDS)} |\n|---|{'---|' * len(KINDS)}")
+    print("\n" + table_header())
     for model in args.models:
         sizes = {kind: inferred_size(kind, model, env) for kind in KINDS}
         cells = [f"{sizes[kind][0]} / {sizes[kind][1]}" for kind in KINDS]

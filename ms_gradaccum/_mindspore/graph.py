@@ -85,17 +85,17 @@ def compiling_graph() -> bool:
 
 
 # Running a network eagerly from anywhere.
+# The loss contract's check (_contract) runs the network forward outside any graph, before the first step: from Python
+# in GRAPH_MODE too (before a graph compiles). MindSpore switches modes with set_context(mode=...) at any time (a graph
+# already compiled is kept and runs as before; checked 2.7.0 and 2.10.0); gradient recording is off for the pass (the
+# PyNative executor's set_enable_grad, as mindspore.graph.api._no_grad does; common.api before 2.9), so that a call
+# inside a PyNative train step records nothing.
 # On CPU the pass also runs synchronously: PyNative's asynchronous pipeline hands every operator to worker threads,
 # which on a CPU (the "device" being the host) costs more than the operators themselves. The loss contract's pass of
 # the 6-layer benchmark LM took 0.55 s cold / 0.37-0.44 s warm asynchronously and 0.22 s / 0.06-0.07 s synchronously
 # (docs/measurements.md). The flag is the one set_context(pynative_synchronize=...) sets, read and restored through the
 # context object, because set_context warns that the key is deprecated (for the one-way runtime.launch_blocking()).
 # On GPU/Ascend the asynchronous pipeline overlaps the host with the device, so it is left as it is there.
-# The loss contract's check (_contract) runs the network forward outside any graph, before the first step: from Python
-# in GRAPH_MODE too (before a graph compiles). MindSpore switches modes with set_context(mode=...) at any time (a graph
-# already compiled is kept and runs as before; checked 2.7.0 and 2.10.0); gradient recording is off for the pass (the
-# PyNative executor's set_enable_grad, as mindspore.graph.api._no_grad does; common.api before 2.9), so that a call
-# inside a PyNative train step records nothing.
 @contextlib.contextmanager
 def eager_mode():
     """PyNative mode without gradient recording (and, on CPU, with synchronous execution), for the duration; the mode,
