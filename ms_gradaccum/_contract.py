@@ -7,15 +7,15 @@ sign: a detector's ``B * sum / max(S, 1)``, with ``S`` summed over the whole bat
 On the first step (per cell; not carried by checkpoints, so every new cell checks once) the network's loss on the rows
 of the first two micro-batches together is compared with what the cell computes from those two micro-batches' own
 losses, which the micro-batch loop keeps: their row-weighted mean, their sum, or the sums of ``loss_sum`` and of
-``count``. A mismatch stops training before the first update, with the measured ratio and the route that fits it.
-At a fixed number of rows a sum and a mean differ by a constant factor, so the comparison needs a pass on another
-number of rows than the loop's. That pass runs eagerly (PyNative mode, no gradient recorded), before the graph runs,
-on the call's own batch: its result reaches the graph's comparison through a Parameter, and the graph holds no copy of
-the network for it. Graphs compiled after the check held leave it out. BatchNorm's moving statistics are put back
-after the pass. Noise that one forward pass sees and the other does not is tolerated where the network has it: batch
-statistics (BatchNorm in training, warned about at construction) and random cells (dropout), for which only a gross
-mismatch (a ratio outside [1/1.5, 1.5]) stops. What it cannot see: a loss that breaks the contract on some batches only
-(the first step's pair passes), or only beyond two micro-batches.
+``count``. A mismatch stops training before the first update, with the measured ratio and the route that fits it. At a
+fixed number of rows a sum and a mean differ by a constant factor, so the comparison needs a pass on another number of
+rows than the loop's. That pass runs eagerly (PyNative mode, no gradient recorded), before the graph runs, on the call's
+own batch: its result reaches the graph's comparison through a Parameter, and the graph holds no copy of the network for
+it. Graphs compiled after the check held leave it out. BatchNorm's moving statistics are put back after the pass, and so
+is what cells' own ``__call__`` set on them (:func:`call_state_kept`). Noise that one forward pass sees and the other
+does not is tolerated where the network has it: batch statistics (BatchNorm in training, warned about at construction)
+and random cells (dropout), for which only a gross mismatch (a ratio outside [1/1.5, 1.5]) stops. What it cannot see: a
+loss that breaks the contract on some batches only (the first step's pair passes), or only beyond two micro-batches.
 
 The batch is reached where a cell is called from Python: the package cells themselves (called, or compiled as the
 outermost graph: the graph executor's compile is entered on every call, with the call's inputs, see
@@ -102,6 +102,33 @@ def moving_statistics_kept(network: nn.Cell):
     finally:
         for param, value in kept:
             ops.assign(param, value)
+
+
+# What nn.Cell itself keeps in a cell's __dict__ (its bookkeeping, which an eager call updates as any call does).
+_CELL_BOOKKEEPING = frozenset(vars(nn.Cell()))
+_PLAIN = (bool, int, float, str, type(None))
+
+
+@contextlib.contextmanager
+def call_state_kept(network: nn.Cell):
+    """Puts back the plain attributes that cells with a ``__call__`` of their own set while the pass called them: the
+    graph then compiles the network as it would have without the pass. ``nn.MultiheadAttention.__call__`` records
+    whether its key is its value and its query its key (graph mode cannot test ``is``), and its ``construct`` then
+    takes the branch for the last call: a module called for cross- and then self-attention would compile both calls
+    as self-attention."""
+    kept = []
+    for _, cell in network.cells_and_names():
+        if type(cell).__call__ is not nn.Cell.__call__:
+            kept.append((cell, {key: value for key, value in vars(cell).items()
+                                if key not in _CELL_BOOKKEEPING and isinstance(value, _PLAIN)}))
+    try:
+        yield
+    finally:
+        for cell, attributes in kept:
+            for key in [key for key, value in vars(cell).items() if key not in _CELL_BOOKKEEPING
+                        and isinstance(value, _PLAIN) and key not in attributes]:
+                del cell.__dict__[key]
+            cell.__dict__.update(attributes)
 
 
 class ContractCheck(PrecisionNeutral):
@@ -198,7 +225,7 @@ class ContractCheck(PrecisionNeutral):
                 return False
             network = self._scaled_loss.loss_of_inputs.network
             watch = self.labels.watching(rows, split) if self.labels is not None else contextlib.nullcontext()
-            with eager_mode(), moving_statistics_kept(network), watch:
+            with eager_mode(), moving_statistics_kept(network), call_state_kept(network), watch:
                 out = network(*assemble(tuple(x[:rows] for x in split), shared, constants, layout))
             value = _value_and_count(out, self.owner_name, self.per_token_loss)   # read: PyNative runs asynchronously
         except Exception:  # pylint: disable=broad-except

@@ -2,6 +2,7 @@
 row mean: a sum over rows or a mean times the batch size (reduction='sum'), and a detector's
 ``B * numerator / max(S, 1)`` with ``S`` summed over the whole batch (per_token_loss=True, min_count=1.0,
 reduction='sum'). Each against the plain full batch, with negative controls."""
+import contextlib
 import re
 
 import numpy as np
@@ -9,7 +10,7 @@ import mindspore as ms
 import pytest
 from mindspore import nn, ops, Tensor
 
-from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, _contract
 from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
                      number_after, params_of, train_steps)
 
@@ -308,6 +309,52 @@ def test_contract_check_leaves_batch_norm_moving_statistics_as_they_were():
     assert any("moving_mean" in name for name in checked)
     for name, value in checked.items():
         np.testing.assert_array_equal(value, unchecked[name], err_msg=name)
+
+
+class SharedAttention(nn.Cell):
+    """One ``nn.MultiheadAttention`` used for cross-attention, then for self-attention: its ``__call__`` records whether
+    key is value and query is key, and graph mode compiles its ``construct`` for what the last call recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.memory = nn.Dense(8, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Dense(8, 1)
+        self.loss = nn.MSELoss()
+        for index, param in enumerate(self.trainable_params()):
+            param.set_data(Tensor(np.random.RandomState(index).randn(*param.shape).astype(np.float32) * 0.3))
+
+    def construct(self, x, y):
+        hidden = self.attention(x, self.memory(x), self.memory(x))[0]
+        hidden = self.attention(hidden, hidden, hidden)[0]
+        return self.loss(self.head(hidden).squeeze(-1), y)
+
+
+def _attention_run(wrap, optimizer):
+    net = SharedAttention()
+    initial = params_of(net)
+    rng = np.random.RandomState(0)
+    batches = [(rng.randn(8, 5, 8).astype(np.float32), rng.randn(8, 5).astype(np.float32)) for _ in range(2)]
+    train_steps(wrap(net, make_optimizer(optimizer, net.trainable_params())), batches)
+    assert (net.attention.k_is_v, net.attention.q_is_k) == (False, False)   # as graph mode leaves them
+    return params_of(net), initial
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_contract_check_leaves_what_a_cell_s_own_call_set_as_it_was(wrap, optimizer, monkeypatch):
+    # The check's pass calls nn.MultiheadAttention eagerly; left as the pass's last call set them, its flags would
+    # compile the cross-attention as self-attention: the loop's losses then differ from the pass's and the check
+    # stops a network whose loss is a plain mean. Put back, the cells train as the plain full batch does.
+    expected, initial = _attention_run(nn.TrainOneStepCell, optimizer)
+    actual, _ = _attention_run(wrap(), optimizer)
+    assert_params_moved(actual, initial)
+    assert_params_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+    # Negative control: without putting them back, the same network is refused.
+    monkeypatch.setattr(_contract, "call_state_kept", lambda network: contextlib.nullcontext())
+    with pytest.raises(ValueError, match="does not combine over micro-batches"):
+        _attention_run(wrap(), optimizer)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
