@@ -6,24 +6,28 @@ sign: a detector's ``B * sum / max(S, 1)``, with ``S`` summed over the whole bat
 
 On the first step (per cell; not carried by checkpoints, so every new cell checks once) the network's loss on the rows
 of the first two micro-batches together is compared with what the cell computes from those two micro-batches' own
-losses, which the micro-batch loop keeps: their row-weighted mean, their sum, or the sums of ``loss_sum`` and of
+losses as its micro-batch loop tallies them: their row-weighted mean, their sum, or the sums of ``loss_sum`` and of
 ``count``. A mismatch stops training before the first update, with the measured ratio and the route that fits it. At a
 fixed number of rows a sum and a mean differ by a constant factor, so the comparison needs a pass on another number of
-rows than the loop's. That pass runs eagerly (PyNative mode, no gradient recorded), before the graph runs, on the call's
-own batch: its result reaches the graph's comparison through a Parameter, and the graph holds no copy of the network for
-it. Graphs compiled after the check held leave it out. BatchNorm's moving statistics are put back after the pass, and so
-is what cells' own ``__call__`` set on them (:func:`call_state_kept`). Noise that one forward pass sees and the other
-does not is tolerated where the network has it: batch statistics (BatchNorm in training, warned about at construction)
-and random cells (dropout), for which only a gross mismatch (a ratio outside [1/1.5, 1.5]) stops. What it cannot see: a
-loss that breaks the contract on some batches only (the first step's pair passes), or only beyond two micro-batches.
+rows than the loop's.
+
+The three forward passes (the pair, then each of its micro-batches) run eagerly (PyNative mode, no gradient
+recorded) on the batch the step is first compiled or called with, and are compared in Python before anything compiles:
+a mismatch stops before the compile, and the graph holds nothing of the check (a comparison in the graph cost more
+compile time than two eager passes, docs/measurements.md). BatchNorm's moving statistics are put back after the
+passes, and so is what cells' own ``__call__`` set on them (:func:`call_state_kept`). Noise that one forward pass sees
+and another does not is tolerated where the network has it: batch statistics (BatchNorm in training, warned about at
+construction) and random cells (dropout), for which only a gross mismatch (a ratio outside [1/1.5, 1.5]) stops. What it
+cannot see: a loss that breaks the contract on some batches only (the first step's pair passes), or only beyond two
+micro-batches.
 
 The batch is reached where a cell is called from Python: the package cells themselves (called, or compiled as the
 outermost graph: the graph executor's compile is entered on every call, with the call's inputs, see
 _mindspore.patches.GRAPH_COMPILE), and the train cells that hand their inputs unchanged to the package cell
 (``nn.TrainOneStepCell``, ``nn.TrainOneStepWithLossScaleCell``: what Model builds). Elsewhere (a train cell of one's
-own,
-a ``jit`` function, dataset sink mode, dynamic-shape inputs) and where the network does not run eagerly, the graph runs
-the pass itself: one forward copy of the network more in the graph, and its compile time (measured in the benchmark).
+own, a ``jit`` function, dataset sink mode, dynamic-shape inputs) and where the network does not run eagerly, the graph
+runs the pair's pass itself and compares it with the loop's own tallies of the two micro-batches: one forward copy of
+the network more in the graph, and its compile time (measured in the benchmark).
 """
 import contextlib
 import numbers
@@ -40,6 +44,7 @@ from ms_gradaccum._mindspore.surroundings import one_walk
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import assemble, check_loss_output, input_kinds, partition, plan, plan_inputs
 from ms_gradaccum._reduce import Unsaved
+from ms_gradaccum._buffers import count_unit
 from ms_gradaccum._tokens import LabelWatch
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
@@ -132,9 +137,9 @@ def call_state_kept(network: nn.Cell):
 
 
 class ContractCheck(PrecisionNeutral):
-    """The check (see the module docstring). :meth:`prepared` runs the forward pass on the two micro-batches eagerly
-    before a graph compiles or runs; ``construct`` compares, on the first step the owner trains, that pass (or, where
-    it could not run, the same pass inside the graph) with the loop's own losses of them."""
+    """The check (see the module docstring). :meth:`prepared` runs it eagerly before a graph compiles or runs, on the
+    first step the owner trains; where it cannot run so, ``construct`` runs the pass on the pair inside the graph and
+    compares it with the loop's own losses of the two micro-batches."""
 
     def __init__(self, scaled_loss: nn.Cell, network: nn.Cell, micro_size: int, per_token_loss: bool,
                  sum_over_rows: bool, enabled: bool, cls_name: str, labels: Optional[LabelWatch] = None):
@@ -155,14 +160,9 @@ class ContractCheck(PrecisionNeutral):
                      f"is tolerated, so only a ratio outside [1/{NOISY_BAND}, {NOISY_BAND}] stops." if noise else ""
         self._checked = Unsaved(Parameter(Tensor(False), name="accu_state.loss_contract_checked",
                                            requires_grad=False))
-        # The eager pass's [loss, count] on the two micro-batches, for the graph's comparison.
-        self._reference = Unsaved(Parameter(Tensor(np.zeros(2, np.float32)), name="accu_state.loss_contract_reference",
-                                             requires_grad=False))
-        # Python state. `passed`: a graph has run the check and it held (later graphs leave it out). `ready`: the
-        # reference holds the pass on the inputs of the call under way (graphs compiled during it compare with it).
-        # `failed`: the eager pass could not run (the graph runs the pass itself).
+        # Python state. `passed`: the check ran and held (graphs compiled later leave it out). `failed`: the eager pass
+        # could not run (the graph runs the pass itself).
         self.passed = False
-        self.ready = False
         self.failed = False
 
     @compile_time
@@ -170,36 +170,26 @@ class ContractCheck(PrecisionNeutral):
         return self._checked.parameter
 
     @compile_time
-    def reference(self) -> Parameter:
-        return self._reference.parameter
-
-    @compile_time
     def scaled_loss(self) -> nn.Cell:
         return self._scaled_loss
 
     @compile_time
     def in_graph(self) -> bool:
-        """Whether the graph being compiled holds the check: it is on and no graph has passed it yet."""
+        """Whether the graph being compiled holds the check: it is on and has not passed (where it could run eagerly, it
+        has passed by the time a graph compiles, or stopped)."""
         return self.enabled and not self.passed
-
-    @compile_time
-    def eager(self) -> bool:
-        """Whether the graph being compiled compares with the eager pass (else it runs the pass itself)."""
-        return self.ready
 
     @contextlib.contextmanager
     def prepared(self, engine: nn.Cell, inputs: tuple):
-        """For the duration of a call on `inputs` (the owner's; the batch): the eager pass on its first two
-        micro-batches is in :attr:`reference`, and graphs compiled meanwhile compare with it. Does nothing where the
-        check is off or has passed, or where the pass cannot run eagerly (a semi-auto/auto-parallel graph's global
-        shapes, inputs without data, a network that runs only in graph mode): the graph runs the pass then."""
-        self.ready = self.enabled and not self._has_passed() and self._eager_pass(engine, inputs, pair=True)
+        """Before a call on `inputs` (the owner's; the batch) compiles or runs: the check, eagerly, where it is on and
+        has not passed (it raises on a mismatch, before anything is compiled or updated). Where it cannot run eagerly (a
+        semi-auto/auto-parallel graph's global shapes, inputs without data, a network that runs only in graph mode), the
+        graph runs it. With the check off or passed, the label watch's look, where armed, on one micro-batch."""
+        if self.enabled and not self._has_passed():
+            self._check_eagerly(engine, inputs)
         if self.labels is not None and self.labels.armed:
-            self._eager_pass(engine, inputs, pair=False)   # the check is off or has passed: one micro-batch's pass
-        try:
-            yield
-        finally:
-            self.ready = False
+            self._eager_losses(engine, inputs, pair=False)
+        yield
 
     def _has_passed(self) -> bool:
         # Read from the flag the graph sets (a device read, only until it is set).
@@ -207,35 +197,59 @@ class ContractCheck(PrecisionNeutral):
             self.passed = True
         return self.passed
 
-    def _eager_pass(self, engine: nn.Cell, inputs: tuple, pair: bool) -> bool:
-        """The network's forward pass, eagerly, on the rows of the first two micro-batches (`pair`: the check's
-        reference goes into :attr:`reference`) or of the first one (only for the label watch). False where it cannot
-        run; the label watch is spent either way."""
+    def _eager_losses(self, engine: nn.Cell, inputs: tuple, pair: bool):
+        """The network's forward pass, eagerly, as ``[loss, count]``: on the rows of the first two micro-batches
+        together, then on each of them (`pair`), with their rows and the batch's count unit; or on the first
+        micro-batch only (the label watch's look, taken on the first pass either way). None where it cannot run."""
         if self.failed or parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
-            return False
+            return None
         if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
-            return False
+            return None
         try:
             layout = plan_inputs(self.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
                                  self.micro_size)
             split, shared, constants = partition(inputs, layout)
-            rows = pair_rows(split[0].shape[0], self.micro_size) if pair else plan(split[0].shape[0],
-                                                                                    self.micro_size)[0][1]
-            if rows == 0:
-                return False
+            batch = split[0].shape[0]
+            sizes = [rows for count, rows in plan(batch, self.micro_size) for _ in range(count)][:2]
+            if pair and len(sizes) < 2:
+                return None
+            spans = [(0, sizes[0] + sizes[1]), (0, sizes[0]), (sizes[0], sizes[0] + sizes[1])] if pair \
+                else [(0, sizes[0])]
             network = self._scaled_loss.loss_of_inputs.network
-            watch = self.labels.watching(rows, split) if self.labels is not None else contextlib.nullcontext()
-            with eager_mode(), moving_statistics_kept(network), call_state_kept(network), watch:
-                out = network(*assemble(tuple(x[:rows] for x in split), shared, constants, layout))
-            value = _value_and_count(out, self.owner_name, self.per_token_loss)   # read: PyNative runs asynchronously
+            watch = self.labels.watching(spans[0][1], split) if self.labels is not None else contextlib.nullcontext()
+            losses = []
+            with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
+                for start, stop in spans:
+                    with watch if start == 0 and stop == spans[0][1] and not losses else contextlib.nullcontext():
+                        out = network(*assemble(tuple(x[start:stop] for x in split), shared, constants, layout))
+                    # Read at once: PyNative runs asynchronously.
+                    losses.append(_value_and_count(out, self.owner_name, self.per_token_loss))
         except Exception:  # pylint: disable=broad-except
             # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with
             # its own message. The graph runs the pass (and raises what it has to).
             self.failed = True
-            return False
-        if pair:
-            self.reference.set_data(Tensor(value))
-        return True
+            return None
+        return losses, sizes, count_unit(batch, self.micro_size)
+
+    def _check_eagerly(self, engine: nn.Cell, inputs: tuple) -> None:
+        """The check on the eager passes; marks it passed, raises, or leaves it to the graph (no eager pass)."""
+        found = self._eager_losses(engine, inputs, pair=True)
+        if found is None:
+            return
+        (together, first, second), sizes, unit = found
+        # The first two micro-batches' tallies as the loop keeps them (_engine: MicroBatchGradients._tally).
+        if self.per_token_loss:
+            pair_value, pair_count = first[0] + second[0], first[1] + second[1]
+        elif self.sum_over_rows:
+            pair_value, pair_count = (first[0] + second[0]) / unit, (sizes[0] + sizes[1]) / unit
+        else:
+            pair_value = first[0] * sizes[0] / unit + second[0] * sizes[1] / unit
+            pair_count = (sizes[0] + sizes[1]) / unit
+        with eager_mode():
+            self._compare(Tensor(together[0]), Tensor(together[1]), Tensor(np.float32(pair_value)),
+                          Tensor(np.float32(pair_count)), Tensor(np.float32(unit)), sizes[0] + sizes[1])
+        self.passed = True
+        self.checked.set_data(Tensor(True))
 
     def _mismatch(self, measured, predicted):
         if self.noisy:
@@ -243,41 +257,44 @@ class ContractCheck(PrecisionNeutral):
             return ops.logical_or(ratio > NOISY_BAND, ratio < 1 / NOISY_BAND)
         return ops.abs(measured - predicted) > self.rtol * ops.abs(predicted) + ATOL
 
+    def _compare(self, value, count, pair_value, pair_count, unit, rows):
+        """Raises where the network's `value` and `count` on the pair's `rows` together do not match its tallies of the
+        two micro-batches, `pair_value` and `pair_count` (eagerly, and in the graph where it runs the pass)."""
+        if self.per_token_loss:
+            measured, predicted = value / count, pair_value / pair_count
+            bad = ops.logical_or(self._mismatch(value, pair_value), self._mismatch(count, pair_count))
+        elif self.sum_over_rows:
+            measured, predicted = value, pair_value * unit
+            bad = self._mismatch(measured, predicted)
+        else:
+            measured, predicted = value, pair_value / pair_count
+            bad = self._mismatch(measured, predicted)
+        if bad:
+            ratio = readable(measured / predicted)
+            measured, predicted = readable(measured), readable(predicted)
+            raise ValueError(
+                f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the "
+                f"cell computes it, so training would not give the full batch's update: on the first "
+                f"step, its loss on the first two micro-batches together ({rows} rows) is {measured}, but "
+                f"combined from their own losses it is {predicted} (ratio {ratio}; about 2 means the loss "
+                f"scales with the rows, other values a normalisation over the batch).{self.noise} "
+                f"{routes(self.kind)}")
+        return True
+
     def construct(self, split, others, pair_value, pair_count, unit, after):
-        """Checks the contract on the first call (`after` is returned, made to depend on it)."""
+        """Where the check could not run eagerly: on the first call, the pass on the pair inside the graph, compared
+        with the loop's tallies (`after` is returned, made to depend on it)."""
         if self.in_graph:
             rows = pair_rows(split[0].shape[0], self.micro_size)
             if rows > 0:
                 checked = self.checked
                 if not checked:
-                    if self.eager:
-                        value, count = ops.unstack(self.reference)
-                        out = (value, value, count)
-                    else:
-                        shared, constants, layout = others
-                        pair = ()
-                        for x in split:
-                            pair += (x[:rows],)
-                        out = self.scaled_loss(assemble(pair, shared, constants, layout), Tensor(1.0, mstype.float32))
-                    if self.per_token_loss:
-                        measured, predicted = out[1] / out[2], pair_value / pair_count
-                        bad = ops.logical_or(self._mismatch(out[1], pair_value), self._mismatch(out[2], pair_count))
-                    elif self.sum_over_rows:
-                        measured, predicted = out[1], pair_value * unit
-                        bad = self._mismatch(measured, predicted)
-                    else:
-                        measured, predicted = out[1], pair_value / pair_count
-                        bad = self._mismatch(measured, predicted)
-                    if bad:
-                        ratio = readable(measured / predicted)
-                        measured, predicted = readable(measured), readable(predicted)
-                        raise ValueError(
-                            f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the "
-                            f"cell computes it, so training would not give the full batch's update: on the first "
-                            f"step, its loss on the first two micro-batches together ({rows} rows) is {measured}, but "
-                            f"combined from their own losses it is {predicted} (ratio {ratio}; about 2 means the loss "
-                            f"scales with the rows, other values a normalisation over the batch).{self.noise} "
-                            f"{routes(self.kind)}")
+                    shared, constants, layout = others
+                    pair = ()
+                    for x in split:
+                        pair += (x[:rows],)
+                    out = self.scaled_loss(assemble(pair, shared, constants, layout), Tensor(1.0, mstype.float32))
+                    self._compare(out[1], out[2], pair_value, pair_count, unit, rows)
                     after = ops.depend(after, ops.assign(checked, Tensor(True)))
         return after
 

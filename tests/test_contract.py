@@ -258,9 +258,9 @@ class GraphOnlyLoss(nn.Cell):
 @pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("wrap", WRAPS)
-def test_contract_check_compares_the_call_s_own_batch(wrap):
-    # Compiled on one batch, trained on another: the eager pass is taken on the batch the graph then runs, not the one
-    # it was compiled on (a pass kept from the first would not match the second batch's losses: a false error).
+def test_contract_check_runs_on_the_first_batch_the_step_is_compiled_or_called_with(wrap):
+    # The eager check runs before a graph compiles: step.compile() on one batch checks that batch, and a loss that
+    # breaks the contract stops there, before anything compiles or trains; one that keeps it trains on another batch.
     net = make_mlp()
     step = wrap()(nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()))
     (x, y), (x2, y2) = classification_batches(2, 32)
@@ -268,13 +268,15 @@ def test_contract_check_compares_the_call_s_own_batch(wrap):
     before = params_of(net)
     step(Tensor(x2 * 3.0), Tensor(y2))
     assert any(not np.array_equal(value, before[name]) for name, value in params_of(net).items())
-    # Control: the check is on in this flow: a sum loss compiled and run the same way stops.
+    # Control: the check is on in this flow: a sum loss stops at the compile, and at every call until it is fixed.
     net = make_mlp()
+    before = params_of(net)
     step = wrap()(SumLoss(net, "sum"), make_optimizer("sgd", net.trainable_params()))
-    step.compile(Tensor(x), Tensor(y))
-    with pytest.raises(ValueError, match="ratio") as caught:
-        step(Tensor(x2 * 3.0), Tensor(y2))
-    assert abs(number_after("ratio", str(caught.value)) - 2) < 1e-3, caught.value
+    for run in (step.compile, step):
+        with pytest.raises(ValueError, match="ratio") as caught:
+            run(Tensor(x), Tensor(y))
+        assert abs(number_after("ratio", str(caught.value)) - 2) < 1e-3, caught.value
+    assert all(np.array_equal(value, before[name]) for name, value in params_of(net).items()), "the weights moved"
 
 
 @pytest.mark.slow
@@ -336,25 +338,26 @@ def _attention_run(wrap, optimizer):
     rng = np.random.RandomState(0)
     batches = [(rng.randn(8, 5, 8).astype(np.float32), rng.randn(8, 5).astype(np.float32)) for _ in range(2)]
     train_steps(wrap(net, make_optimizer(optimizer, net.trainable_params())), batches)
-    assert (net.attention.k_is_v, net.attention.q_is_k) == (False, False)   # as graph mode leaves them
-    return params_of(net), initial
+    return params_of(net), initial, (net.attention.k_is_v, net.attention.q_is_k)
 
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
 @pytest.mark.parametrize("wrap", WRAPS)
 def test_contract_check_leaves_what_a_cell_s_own_call_set_as_it_was(wrap, optimizer, monkeypatch):
     # The check's pass calls nn.MultiheadAttention eagerly; left as the pass's last call set them, its flags would
-    # compile the cross-attention as self-attention: the loop's losses then differ from the pass's and the check
-    # stops a network whose loss is a plain mean. Put back, the cells train as the plain full batch does.
-    expected, initial = _attention_run(nn.TrainOneStepCell, optimizer)
-    actual, _ = _attention_run(wrap(), optimizer)
+    # compile the cross-attention as self-attention. Put back, the cells train as the plain full batch does.
+    expected, initial, _ = _attention_run(nn.TrainOneStepCell, optimizer)
+    actual, _, flags = _attention_run(wrap(), optimizer)
+    assert flags == (False, False)   # as graph mode leaves them
     assert_params_moved(actual, initial)
     assert_params_close(actual, expected, rtol=1e-4, atol=1e-5)
 
-    # Negative control: without putting them back, the same network is refused.
+    # Negative control: without putting them back, the same network trains otherwise than the full batch, silently
+    # (the check's pass and the loop's would not compare the graph with the eager network).
     monkeypatch.setattr(_contract, "call_state_kept", lambda network: contextlib.nullcontext())
-    with pytest.raises(ValueError, match="does not combine over micro-batches"):
-        _attention_run(wrap(), optimizer)
+    wrong, _, flags = _attention_run(wrap(), optimizer)
+    assert flags == (True, True)
+    assert max(np.abs(wrong[name] - expected[name]).max() for name in expected) > 1e-3
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
