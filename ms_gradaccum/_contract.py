@@ -219,8 +219,8 @@ class ContractCheck(PrecisionNeutral):
             watch = self.labels.watching(spans[0][1], split) if self.labels is not None else contextlib.nullcontext()
             losses = []
             with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
-                for start, stop in spans:
-                    with watch if start == 0 and stop == spans[0][1] and not losses else contextlib.nullcontext():
+                for index, (start, stop) in enumerate(spans):
+                    with watch if index == 0 else contextlib.nullcontext():   # the labels of the first pass only
                         out = network(*assemble(tuple(x[start:stop] for x in split), shared, constants, layout))
                     # Read at once: PyNative runs asynchronously.
                     losses.append(_value_and_count(out, self.owner_name, self.per_token_loss))
