@@ -44,7 +44,6 @@ from ms_gradaccum._mindspore.surroundings import one_walk
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import assemble, check_loss_output, input_kinds, partition, plan, plan_inputs
 from ms_gradaccum._reduce import Unsaved
-from ms_gradaccum._buffers import count_unit
 from ms_gradaccum._tokens import LabelWatch
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
@@ -68,11 +67,16 @@ def random_cells(network: nn.Cell) -> list:
     return found
 
 
+def first_two_rows(batch: int, micro_size: int) -> list:
+    """The rows of the first two micro-batches (one entry when a batch holds only one)."""
+    return [rows for count, rows in plan(batch, micro_size) for _ in range(count)][:2]
+
+
 @primexpr
 def pair_rows(batch: int, micro_size: int) -> int:
     """The rows of the first two micro-batches (0 when a batch holds fewer than two)."""
-    sizes = [rows for count, rows in plan(batch, micro_size) for _ in range(count)]
-    return sizes[0] + sizes[1] if len(sizes) >= 2 else 0
+    sizes = first_two_rows(batch, micro_size)
+    return sizes[0] + sizes[1] if len(sizes) == 2 else 0
 
 
 def routes(kind: str) -> str:
@@ -114,6 +118,12 @@ _CELL_BOOKKEEPING = frozenset(vars(nn.Cell()))
 _PLAIN = (bool, int, float, str, type(None))
 
 
+def _plain_state(cell: nn.Cell) -> dict:
+    """The plain attributes a cell keeps of its own (not nn.Cell's bookkeeping)."""
+    return {key: value for key, value in vars(cell).items()
+            if key not in _CELL_BOOKKEEPING and isinstance(value, _PLAIN)}
+
+
 @contextlib.contextmanager
 def call_state_kept(network: nn.Cell):
     """Puts back the plain attributes that cells with a ``__call__`` of their own set while the pass called them: the
@@ -121,17 +131,13 @@ def call_state_kept(network: nn.Cell):
     whether its key is its value and its query its key (graph mode cannot test ``is``), and its ``construct`` then
     takes the branch for the last call: a module called for cross- and then self-attention would compile both calls
     as self-attention."""
-    kept = []
-    for _, cell in network.cells_and_names():
-        if type(cell).__call__ is not nn.Cell.__call__:
-            kept.append((cell, {key: value for key, value in vars(cell).items()
-                                if key not in _CELL_BOOKKEEPING and isinstance(value, _PLAIN)}))
+    kept = [(cell, _plain_state(cell)) for _, cell in network.cells_and_names()
+            if type(cell).__call__ is not nn.Cell.__call__]
     try:
         yield
     finally:
         for cell, attributes in kept:
-            for key in [key for key, value in vars(cell).items() if key not in _CELL_BOOKKEEPING
-                        and isinstance(value, _PLAIN) and key not in attributes]:
+            for key in _plain_state(cell).keys() - attributes.keys():
                 del cell.__dict__[key]
             cell.__dict__.update(attributes)
 
@@ -209,8 +215,7 @@ class ContractCheck(PrecisionNeutral):
             layout = plan_inputs(self.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
                                  self.micro_size)
             split, shared, constants = partition(inputs, layout)
-            batch = split[0].shape[0]
-            sizes = [rows for count, rows in plan(batch, self.micro_size) for _ in range(count)][:2]
+            sizes = first_two_rows(split[0].shape[0], self.micro_size)
             if pair and len(sizes) < 2:
                 return None
             spans = [(0, sizes[0] + sizes[1]), (0, sizes[0]), (sizes[0], sizes[0] + sizes[1])] if pair \
@@ -229,25 +234,25 @@ class ContractCheck(PrecisionNeutral):
             # its own message. The graph runs the pass (and raises what it has to).
             self.failed = True
             return None
-        return losses, sizes, count_unit(batch, self.micro_size)
+        return losses, sizes
 
     def _check_eagerly(self, engine: nn.Cell, inputs: tuple) -> None:
         """The check on the eager passes; marks it passed, raises, or leaves it to the graph (no eager pass)."""
         found = self._eager_losses(engine, inputs, pair=True)
         if found is None:
             return
-        (together, first, second), sizes, unit = found
-        # The first two micro-batches' tallies as the loop keeps them (_engine: MicroBatchGradients._tally).
+        (together, first, second), sizes = found
+        # The first two micro-batches' tallies as the loop keeps them (_engine: MicroBatchGradients._tally), counted in
+        # rows: the loop's unit (the rows of the largest micro-batch) cancels in every comparison.
         if self.per_token_loss:
             pair_value, pair_count = first[0] + second[0], first[1] + second[1]
         elif self.sum_over_rows:
-            pair_value, pair_count = (first[0] + second[0]) / unit, (sizes[0] + sizes[1]) / unit
+            pair_value, pair_count = first[0] + second[0], sizes[0] + sizes[1]
         else:
-            pair_value = first[0] * sizes[0] / unit + second[0] * sizes[1] / unit
-            pair_count = (sizes[0] + sizes[1]) / unit
+            pair_value, pair_count = first[0] * sizes[0] + second[0] * sizes[1], sizes[0] + sizes[1]
         with eager_mode():
             self._compare(Tensor(together[0]), Tensor(together[1]), Tensor(np.float32(pair_value)),
-                          Tensor(np.float32(pair_count)), Tensor(np.float32(unit)), sizes[0] + sizes[1])
+                          Tensor(np.float32(pair_count)), Tensor(np.float32(1.0)), sizes[0] + sizes[1])
         self.passed = True
         self.checked.set_data(Tensor(True))
 
@@ -279,7 +284,6 @@ class ContractCheck(PrecisionNeutral):
                 f"combined from their own losses it is {predicted} (ratio {ratio}; about 2 means the loss "
                 f"scales with the rows, other values a normalisation over the batch).{self.noise} "
                 f"{routes(self.kind)}")
-        return True
 
     def construct(self, split, others, pair_value, pair_count, unit, after):
         """Where the check could not run eagerly: on the first call, the pass on the pair inside the graph, compared
