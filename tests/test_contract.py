@@ -353,7 +353,7 @@ def test_contract_check_leaves_what_a_cell_s_own_call_set_as_it_was(wrap, optimi
     assert_params_close(actual, expected, rtol=1e-4, atol=1e-5)
 
     # Negative control: without putting them back, the same network trains otherwise than the full batch, silently
-    # (the check's pass and the loop's would not compare the graph with the eager network).
+    # (the check compares eager passes with each other, so it cannot see that the graph compiled another branch).
     monkeypatch.setattr(_contract, "call_state_kept", lambda network: contextlib.nullcontext())
     wrong, _, flags = _attention_run(wrap(), optimizer)
     assert flags == (True, True)
