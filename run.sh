@@ -27,6 +27,41 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+# Every process of a job carries MS_GRADACCUM_JOB=<id> in its environment (the launchers pass the environment on, and
+# msrun's workers keep it though they run in sessions of their own): that, not a process group, is how the job is found
+# and stopped. run.sh itself and its forks do not show it (bash exports to the programs it starts, not to itself).
+job_processes() {   # found_pids: the PIDs of job $1 (read with builtins: a program started for it would carry the mark)
+  local proc env
+  found_pids=()
+  for proc in /proc/[0-9]*; do
+    mapfile -d '' env 2>/dev/null <"$proc/environ" || continue
+    [[ " ${env[*]} " == *" MS_GRADACCUM_JOB=$1 "* ]] && found_pids+=("${proc#/proc/}")
+  done
+  return 0
+}
+stop_processes() {   # job $1: SIGTERM, then SIGKILL after $2 seconds for what is left; returns when none is left
+  local waited=0
+  job_processes "$1"
+  [ "${#found_pids[@]}" -eq 0 ] && return 0
+  kill -TERM "${found_pids[@]}" 2>/dev/null || true
+  while [ "$waited" -lt $(($2 * 4)) ]; do
+    job_processes "$1"
+    [ "${#found_pids[@]}" -eq 0 ] && return 0
+    sleep 0.25
+    waited=$((waited + 1))
+  done
+  job_processes "$1"
+  [ "${#found_pids[@]}" -gt 0 ] && kill -KILL "${found_pids[@]}" 2>/dev/null
+  return 0
+}
+if [ "${1:-}" = "--guard-job" ]; then
+  # The guard (started by run.sh in a session of its own, without the job's mark): when run.sh is gone, killed by a
+  # signal it cannot trap (SIGKILL), the job it left is stopped, so that nothing trains on as an orphan.
+  while kill -0 "$2" 2>/dev/null; do sleep 2; done
+  stop_processes "$3" 5
+  exit 0
+fi
+
 for arg in "$@"; do
   if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
     # run.sh's own usage (its header), then the sample's options once, from the Python run.sh would use (nothing is
@@ -52,6 +87,7 @@ fail_usage() { echo "run.sh: $1 $usage" >&2; exit 2; }
 if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
   fail_usage "the number of workers must be a positive integer, but got '$workers'."
 fi
+requested_workers="$workers"
 nnodes="${NNODES:-1}"
 node_rank="${NODE_RANK:-0}"
 master_addr="${MASTER_ADDR:-127.0.0.1}"
@@ -111,7 +147,8 @@ from builtin_digits import ensure_digits_mnist; print(ensure_digits_mnist())")"
 fi
 export DATA_PATH
 ranks=$((workers * nnodes))
-MS_WORKER_NUM="$ranks" "$python" "$script" --validate-only --device-target "$device_target" "$@" >/dev/null || exit 2
+MS_WORKER_NUM="$ranks" "$python" "$script" --validate-only --device-target "$device_target" --save-dir "$checkpoint_dir" \
+  "$@" >/dev/null || exit 2
 export GLOG_v="${GLOG_v:-3}"            # MindSpore: errors only, keeps the per-rank logs readable
 export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-10}"   # a dead rank is noticed in seconds, not minutes
 
@@ -146,6 +183,7 @@ scheduler_log="$log_dir/scheduler.log"
 port="${MASTER_PORT:-$(free_port)}"
 echo "run.sh: $workers worker(s) on $device_target with $launcher (node $node_rank of $nnodes, $total in all, master $master_addr:$port), logs in $log_dir/, timeout ${run_timeout}s"
 
+launch() {   # the job, by the launcher chosen; its status is the launcher's
 status=0
 case "$launcher" in
   msrun)
@@ -157,13 +195,13 @@ case "$launcher" in
     timeout --kill-after=10 "$run_timeout" msrun --worker_num="$total" --local_worker_num="$workers" \
       --node_rank="$node_rank" --master_addr="$master_addr" --master_port="$port" --log_dir="$log_dir/msrun" \
       --join=True --cluster_time_out=60 \
-      "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/msrun.log" 2>&1 || status=$?
+      "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/msrun.log" 2>&1 </dev/null || status=$?
     ;;
   mpirun)
     # MindSpore's collectives on CPU do not come up under plain mpirun: each rank joins MindSpore's own
     # dynamic cluster instead, through the variables below, with one extra scheduler process.
     export MS_WORKER_NUM="$total" MS_SCHED_HOST="$master_addr" MS_SCHED_PORT="$port"
-    MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/scheduler.log" 2>&1 &
+    MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/scheduler.log" 2>&1 </dev/null &
     scheduler=$!
     hostfile=()
     [ -n "${HOSTFILE:-}" ] && hostfile=(--hostfile "$HOSTFILE")
@@ -171,7 +209,7 @@ case "$launcher" in
       "${hostfile[@]}" --output-filename "$log_dir" --merge-stderr-to-stdout \
       -x MS_WORKER_NUM -x MS_SCHED_HOST -x MS_SCHED_PORT -x DATA_PATH -x GLOG_v -x MS_NODE_TIMEOUT \
       bash -c 'export MS_ROLE=MS_WORKER MS_NODE_ID="$OMPI_COMM_WORLD_RANK" RANK_ID="$OMPI_COMM_WORLD_RANK"; exec "$0" "$@"' \
-      "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/mpirun.log" 2>&1 || status=$?
+      "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/mpirun.log" 2>&1 </dev/null || status=$?
     if [ "$status" -ne 0 ]; then kill "$scheduler" 2>/dev/null || true; fi
     wait "$scheduler" 2>/dev/null || true
     ;;
@@ -182,13 +220,13 @@ case "$launcher" in
     export MS_WORKER_NUM="$total" MS_SCHED_HOST="$master_addr" MS_SCHED_PORT="$port"
     pids=()
     if [ "$node_rank" -eq 0 ]; then
-      MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/scheduler.log" 2>&1 &
+      MS_ROLE=MS_SCHED "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/scheduler.log" 2>&1 </dev/null &
       pids+=($!)
     fi
     for ((i = 0; i < workers; i++)); do
       rank=$((first_rank + i))
       MS_ROLE=MS_WORKER MS_NODE_ID="$rank" RANK_ID="$rank" \
-        "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$(rank_log "$rank")" 2>&1 &
+        "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$(rank_log "$rank")" 2>&1 </dev/null &
       pids+=($!)
     done
     deadline=$((SECONDS + run_timeout))
@@ -204,11 +242,86 @@ case "$launcher" in
     fi
     ;;
 esac
+return "$status"
+}
+
+
+# What a stop leaves: the newest checkpoint every rank of this node completed, and the command that goes on from it.
+resume_command() {
+  local kept=() arg prefix=""
+  for arg in "$@"; do [ "$arg" = "--resume" ] || kept+=("$arg"); done
+  [ -n "${LOG_DIR:-}" ] && prefix="LOG_DIR=$LOG_DIR "
+  [ -n "${LAUNCHER:-}" ] && prefix="${prefix}LAUNCHER=$LAUNCHER "
+  echo "${prefix}bash run.sh $requested_workers ${kept[*]:+${kept[*]} }--resume"
+}
+report_saved() {
+  [ "$checking" -eq 1 ] && return 0
+  local rank names=() common="" name
+  for ((rank = first_rank; rank <= last_rank; rank++)); do
+    names=()
+    for name in "$checkpoint_dir/rank_$rank"/train-*_*.ckpt; do [ -f "$name" ] && names+=("${name##*/}"); done
+    if [ "$rank" -eq "$first_rank" ]; then common=" ${names[*]} "; else
+      local kept=" "
+      for name in "${names[@]}"; do [[ "$common" == *" $name "* ]] && kept+="$name "; done
+      common="$kept"
+    fi
+  done
+  local newest
+  newest="$(tr ' ' '\n' <<<"$common" | sed -nE 's/^train-([0-9]+)_([0-9]+)\.ckpt$/\1 \2/p' | sort -n -k1,1 -k2,2 | tail -n 1)"
+  if [ -z "$newest" ]; then
+    echo "run.sh: no checkpoint was completed by every rank yet: nothing to resume from (start again with the same command)."
+  else
+    echo "run.sh: saved: epoch ${newest% *}, step ${newest#* } of that epoch, on every rank" \
+         "($checkpoint_dir/rank_*/train-${newest% *}_${newest#* }.ckpt)."
+    echo "run.sh: continue with: $(resume_command "$@")"
+  fi
+}
+
+# Rank ${first_rank}'s progress, as it logs it (the start or resume point, one line per epoch), on the terminal.
+shown=0
+relay_progress() {
+  local log lines=()
+  log="$(rank_log "$first_rank")"
+  [ -f "$log" ] || return 0
+  mapfile -t lines < <(grep -aE "^\[rank $first_rank\] (epoch [0-9]+/[0-9]+|resumed|starting|--resume|the checkpoint)" "$log" 2>/dev/null || true)
+  while [ "$shown" -lt "${#lines[@]}" ]; do echo "${lines[$shown]}"; shown=$((shown + 1)); done
+}
+
+last_rank=$((first_rank + workers - 1))
+[ "$launcher" = mpirun ] && { first_rank=0; last_rank=$((total - 1)); }
+job_id="$$-$(date +%s%N)"
+export MS_GRADACCUM_JOB="$job_id" MS_GRADACCUM_RUN_SH_PID="$$" MS_GRADACCUM_RUN_SH_HOST="$(uname -n)"
+# The guard, in a session of its own and without the mark: a run.sh killed by SIGKILL leaves no job behind.
+env -u MS_GRADACCUM_JOB setsid bash "$0" --guard-job "$$" "$job_id" </dev/null >/dev/null 2>&1 &
+on_signal() {   # Ctrl-C (SIGINT), SIGTERM, SIGHUP: stop every process of the job, say what was saved, exit 128+N
+  trap '' INT TERM HUP
+  local started=$SECONDS name="$1" code="$2"
+  shift 2
+  echo >&2
+  echo "run.sh: $name received: stopping the job (the launcher and every rank of this node)..." >&2
+  stop_processes "$job_id" 5
+  wait "$launch_pid" 2>/dev/null || true
+  relay_progress
+  echo "run.sh: stopped within $((SECONDS - started + 1)) s; no process of the job is left." >&2
+  report_saved "$@" >&2
+  exit "$code"
+}
+trap 'on_signal SIGINT 130 "$@"' INT
+trap 'on_signal SIGTERM 143 "$@"' TERM
+trap 'on_signal SIGHUP 129 "$@"' HUP
+launch "$@" 2>>"$log_dir/run_sh.log" &   # bash's own notes ("Terminated") go there
+launch_pid=$!
+exec {tick}<> <(:)   # an empty pipe held open: `read -t` on it waits without starting a program (to be signalled)
+while kill -0 "$launch_pid" 2>/dev/null; do
+  relay_progress
+  read -r -t 1 -u "$tick" || true   # returns at once on a signal, so the trap runs without delay
+done
+status=0
+wait "$launch_pid" || status=$?
+relay_progress
 
 done_line="final loss"
 [ "$checking" -eq 1 ] && done_line="equivalence check (PASS|FAIL)"
-last_rank=$((first_rank + workers - 1))
-[ "$launcher" = mpirun ] && { first_rank=0; last_rank=$((total - 1)); }
 summary_ok=1
 for ((rank = first_rank; rank <= last_rank; rank++)); do
   log="$(rank_log "$rank")"
@@ -241,15 +354,24 @@ if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
       if [ -f "$log" ]; then tail -n 25 "$log" >&2; else echo "(no log file)" >&2; fi
     fi
   done
-  if [ "$checking" -eq 0 ] && ls "$log_dir"/checkpoints/rank_*/*.ckpt >/dev/null 2>&1; then
-    echo "run.sh: checkpoints are kept in $log_dir/checkpoints/; continue from the newest with the same command" \
-         "and --resume (bash run.sh $workers ${*:+$* }--resume)." >&2
-  fi
+  [ "$checking" -eq 0 ] && report_saved "$@" >&2
   [ "$status" -ne 0 ] && exit "$status"
   exit 1
 fi
 
 echo "run.sh: done. Per-rank logs: $(rank_log "$first_rank") ... $(rank_log "$last_rank")"
+finals=()
 for ((rank = first_rank; rank <= last_rank; rank++)); do
-  grep -h "final loss" "$(rank_log "$rank")" | tail -n 1
+  finals+=("$(grep -h "final loss" "$(rank_log "$rank")" | tail -n 1)")
+  echo "${finals[-1]}"
 done
+# Each rank's "final loss" is its own last batch, on its own shard of the data; the weights are the same on every
+# rank (data parallel), so the test accuracy is one figure. Say so once, with the mean of the ranks' losses.
+if [ "${#finals[@]}" -gt 1 ]; then
+  printf '%s\n' "${finals[@]}" | sed -nE 's/.*final loss ([0-9.]+) .*/\1/p' | awk -v n="${#finals[@]}" \
+    '{ s += $1 } END { if (NR == n) printf "run.sh: each final loss is that rank'"'"'s last batch of its own shard; their mean is %.6f. Every rank holds the same weights.\n", s / n }'
+fi
+if [ "$checking" -eq 0 ] && [ -d "$checkpoint_dir" ]; then
+  echo "run.sh: checkpoints: $(du -sh "$checkpoint_dir" | cut -f1) in $checkpoint_dir (go on with more epochs:" \
+       "$(resume_command "$@" | sed -E 's/--epochs [0-9]+ ?//') --epochs N; remove the folder when done)."
+fi

@@ -11,6 +11,7 @@ Resuming continues at the step after the checkpoint's: the dataset is fast-forwa
 ``Model.train`` starts at that epoch (``initial_epoch``) and the callbacks count from that step, so LossMonitor lines
 and checkpoint names go on as they would have.
 """
+import json
 import os
 import re
 from typing import Dict, List, Optional, Tuple
@@ -22,6 +23,8 @@ from mindspore.train import Callback, CheckpointConfig, LossMonitor, ModelCheckp
 
 PREFIX = "train"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)_(\d+)\.ckpt$")
+# Each rank's folder records the settings its checkpoints were trained with (see settings_changes).
+SETTINGS = "job.json"
 
 
 def rank_folder(save_dir: str, rank: int) -> str:
@@ -154,3 +157,39 @@ def remove_checkpoints(folder: str, after: int = -1) -> int:
         os.remove(path)
         removed += 1
     return removed
+
+
+def write_settings(folder: str, settings: Dict[str, object]) -> None:
+    """Records `settings` in `folder` (written whole, then renamed: a killed write leaves the old record or none)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, SETTINGS)
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        json.dump(settings, handle, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def recorded_settings(folder: str) -> Optional[Dict[str, object]]:
+    """The settings recorded in `folder`, or None where there is no readable record."""
+    try:
+        with open(os.path.join(folder, SETTINGS), encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
+
+
+def settings_changes(folders: List[str], settings: Dict[str, object]) -> Optional[List[str]]:
+    """What differs between `settings` and the record of each folder that holds checkpoints: ``["--batch-size:
+    checkpoint 32, now 64", ...]``; ``[]`` when nothing differs or no folder holds a checkpoint; None where a folder
+    holds checkpoints but no record of their settings (written by an older sample)."""
+    changes = []
+    for folder in folders:
+        if not checkpoint_files(folder):
+            continue
+        recorded = recorded_settings(folder)
+        if recorded is None:
+            return None
+        for name, value in settings.items():
+            line = f"{name}: checkpoint {recorded.get(name, 'not recorded')}, now {value}"
+            if recorded.get(name) != value and line not in changes:
+                changes.append(line)
+    return changes

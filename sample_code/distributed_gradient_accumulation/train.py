@@ -16,7 +16,9 @@ the same advice; see ``drop_remainder`` below).
 """
 import argparse
 import os
+import socket
 import sys
+import time
 import warnings
 
 import mindspore as ms
@@ -31,7 +33,9 @@ from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, che
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from builtin_digits import FILES, ensure_digits_mnist  # noqa: E402  (sits next to this script)
 from checkpoints import (AlignedLossMonitor, EpochAndStepCheckpoint, StartAt, newest_common, rank_folder,  # noqa: E402
-                         remove_checkpoints, valid_checkpoints)
+                         remove_checkpoints, settings_changes, valid_checkpoints, write_settings)
+
+SEED = 1   # the same initial weights on every rank (data-parallel ranks must start as one model)
 
 PARALLEL_MODES = {
     "stand_alone": ms.ParallelMode.STAND_ALONE,
@@ -104,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device_target == "CPU" and mode in ("semi_auto_parallel", "auto_parallel"):
         parser.error(f"--parallel-mode {mode} cannot run on CPU (MindSpore compiles these modes for GPU and Ascend "
                      f"only); use data_parallel (the default for several CPU workers), or DEVICE_TARGET=GPU|Ascend")
+    if args.validate_only and args.resume:
+        refuse_changed_resume(args, mode, launched_ranks())
     if args.validate_only:
         try:   # a GPU/Ascend build's libraries missing, or a CPU-only MindSpore: say so before any rank starts
             ms.set_device(args.device_target) if hasattr(ms, "set_device") else ms.set_context(
@@ -111,6 +117,44 @@ def parse_args(argv=None) -> argparse.Namespace:
         except (RuntimeError, ValueError) as error:
             parser.error(f"--device-target {args.device_target} cannot be used here: {str(error).splitlines()[0]}")
     return args
+
+
+def job_settings(args, mode: str, ranks: int) -> dict:
+    """What decides where the data stands at a global step and what the saved state means: a checkpoint resumes only
+    under the same values. (--micro-size changes no arithmetic; --epochs only how far training goes; the rest only
+    logging and saving.)"""
+    data_path = args.data_path or ensure_digits_mnist()
+    return {
+        "workers (world size)": ranks,
+        "--batch-size": args.batch_size,
+        "--accumulate-steps": args.accumulate_steps,
+        "--lr": args.lr,
+        "--max-steps": args.max_steps,
+        "--parallel-mode": mode,
+        "training rows of --data-path / DATA_PATH": mnist_shard(data_path, "train", 0, 1, False).get_dataset_size(),
+        "seed": SEED,
+    }
+
+
+def refuse_changed_resume(args, mode: str, ranks: int) -> None:
+    """Exit 2, naming each setting that differs, where --resume would continue checkpoints trained with other
+    settings (read from every rank folder of --save-dir on this machine)."""
+    folders = [os.path.join(args.save_dir, name) for name in sorted(os.listdir(args.save_dir))
+               if name.startswith("rank_")] if os.path.isdir(args.save_dir) else []
+    changes = settings_changes(folders, job_settings(args, mode, ranks))
+    if changes == []:
+        return
+    stop = "Resuming would not continue their run exactly: nothing was started or deleted."
+    where = f"train.py: error: --resume: the checkpoints in {args.save_dir}"
+    if changes is None:
+        what = f"{where} hold no record of the settings they were trained with (written by an older sample). {stop}"
+        way_out = "Start a new run"
+    else:
+        what = f"{where} were trained with other settings. {stop}\n  " + "\n  ".join(changes)
+        way_out = "Either resume with the checkpoint's values, or start a new run"
+    print(f"{what}\n{way_out} in another folder (LOG_DIR=<new folder> bash run.sh ..., or --save-dir); a run without "
+          f"--resume replaces these checkpoints.", file=sys.stderr)
+    sys.exit(2)
 
 
 def launched_ranks() -> int:
@@ -190,6 +234,52 @@ class Network(nn.Cell):
         return self.layers(self.flatten(x))
 
 
+class Progress(ms.train.Callback):
+    """One line per epoch (run.sh shows the first rank's on the terminal): the epoch, the global step, the last batch's
+    loss, the job's throughput and the time left, from the steps this run has trained."""
+
+    def __init__(self, rank: int, epochs: int, steps_per_epoch: int, job_batch: int):
+        super().__init__()
+        self.rank, self.epochs, self.steps, self.job_batch = rank, epochs, steps_per_epoch, job_batch
+        self.started = self.first_step = None
+
+    def on_train_begin(self, run_context):
+        self.started, self.first_step = time.monotonic(), run_context.original_args().cur_step_num
+
+    def on_train_epoch_end(self, run_context):
+        args = run_context.original_args()
+        done, total = args.cur_step_num, self.epochs * self.steps
+        seconds = time.monotonic() - self.started
+        per_step = seconds / max(done - self.first_step, 1)
+        left = int(round(per_step * (total - done)))
+        print(f"[rank {self.rank}] epoch {args.cur_epoch_num}/{self.epochs}: step {done}/{total}, loss "
+              f"{float(args.net_outputs.asnumpy()):.4f}, {self.job_batch / per_step:.0f} samples/s, about "
+              f"{left // 60} min {left % 60:02d} s left", flush=True)
+
+
+class LauncherWatch(ms.train.Callback):
+    """Stops this rank when the run.sh that started it is gone (killed where it could not stop the job itself): the
+    rank does not train on as an orphan. Checked at most once a second, between steps."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+        pid = os.environ.get("MS_GRADACCUM_RUN_SH_PID", "")
+        same_host = os.environ.get("MS_GRADACCUM_RUN_SH_HOST", socket.gethostname()) == socket.gethostname()
+        self.pid = int(pid) if pid.isdigit() and same_host else None
+        self.checked = 0.0
+
+    def on_train_step_end(self, run_context):
+        if self.pid is None or time.monotonic() - self.checked < 1.0:
+            return
+        self.checked = time.monotonic()
+        try:
+            os.kill(self.pid, 0)
+        except (ProcessLookupError, PermissionError):   # none, or another user's process under the number now
+            print(f"[rank {self.rank}] run.sh (pid {self.pid}) is gone: stopping this rank", flush=True)
+            os._exit(143)
+
+
 class _LastLoss(ms.train.Callback):
     def __init__(self):
         super().__init__()
@@ -223,23 +313,34 @@ def run_check(args, data_path: str, rank: int, group: int) -> int:
     return 0 if report else 1
 
 
-def prepare_checkpoints(args, model: Model, rank: int, group: int, steps: int) -> int:
+def prepare_checkpoints(args, model: Model, rank: int, group: int, steps: int, settings: dict) -> int:
     """The global step training starts after: with --resume, that of the newest checkpoint every rank completed,
-    loaded into the train network (0 when there is none, said so); else 0, this rank's old checkpoints removed."""
+    loaded into the train network (0 when there is none, said so); else 0, this rank's old checkpoints removed. The
+    rank's folder records `settings`; a resume under other settings stops (run.sh refuses it before launching)."""
     folder = rank_folder(args.save_dir, rank)
     say = lambda text: print(f"[rank {rank}] {text}", flush=True)   # noqa: E731
+    if args.resume:
+        changes = settings_changes([folder], settings)
+        if changes:
+            raise SystemExit(f"[rank {rank}] --resume: the checkpoints in {folder} were trained with other settings "
+                             f"({'; '.join(changes)}); nothing was trained or deleted.")
+        if changes is None:
+            raise SystemExit(f"[rank {rank}] --resume: the checkpoints in {folder} hold no record of the settings they "
+                             f"were trained with; nothing was trained or deleted.")
     if not args.resume:
         removed = remove_checkpoints(folder)
-        if removed:
-            say(f"starting from the beginning: removed {removed} checkpoint(s) of an earlier run from {folder} "
-                f"(--resume continues from them)")
+        write_settings(folder, settings)
+        earlier = f": removed {removed} checkpoint(s) of an earlier run from {folder}" if removed else ""
+        say(f"starting from the beginning{earlier}")
         return 0
     names = [param.name for param in model.train_network.get_parameters()]
     valid = valid_checkpoints(folder, names, say)
     step = newest_common(list(valid), group, args.keep_checkpoints)
     if step is None:
-        say(f"--resume: no checkpoint that every rank completed in {args.save_dir}: starting from the beginning")
-        remove_checkpoints(folder)
+        removed = remove_checkpoints(folder)
+        write_settings(folder, settings)
+        say(f"--resume: no checkpoint that every rank completed in {args.save_dir}: starting from the beginning"
+            f"{f' (the {removed} checkpoint(s) of this rank, of the same settings, are replaced)' if removed else ''}")
         return 0
     path, params = valid[step]
     not_loaded, _ = ms.load_param_into_net(model.train_network, params, strict_load=True)
@@ -258,7 +359,7 @@ def main(argv=None) -> int:
     if args.validate_only:
         return 0
     ms.set_context(mode=ms.GRAPH_MODE, device_target=args.device_target)
-    ms.set_seed(1)   # the same initial weights on every rank (data-parallel ranks must start as one model)
+    ms.set_seed(SEED)
     mode = resolve_parallel_mode(args.parallel_mode, args.device_target, launched_ranks())
     rank, group = setup_parallel(mode)
     data_path = args.data_path or ensure_digits_mnist()
@@ -285,10 +386,12 @@ def main(argv=None) -> int:
     print(f"[rank {rank}] mode {mode}, {group} rank(s), data {data_path}, {steps} steps "
           f"per epoch of batch {args.batch_size} = {split_description(args.batch_size, args.micro_size)}{window}"
           f"{left_out}", flush=True)
-    start = 0 if args.no_save else prepare_checkpoints(args, model, rank, group, steps)
+    settings = job_settings(args, mode, group)
+    start = 0 if args.no_save else prepare_checkpoints(args, model, rank, group, steps, settings)
     # Every run logs loss lines, however few steps an epoch has (8 ranks on the built-in data: 5 per epoch).
     loss_every = args.loss_every or max(1, min(100, steps))
-    callbacks = [StartAt(start), AlignedLossMonitor(loss_every), last]
+    callbacks = [StartAt(start), AlignedLossMonitor(loss_every), last,
+                 Progress(rank, args.epochs, steps, args.batch_size * group), LauncherWatch(rank)]
     if not args.no_save:
         callbacks.append(EpochAndStepCheckpoint(rank_folder(args.save_dir, rank), steps, args.save_steps,
                                                 args.keep_checkpoints))
@@ -302,8 +405,8 @@ def main(argv=None) -> int:
 
     test_acc, test_images = accuracy(net, create_dataset(data_path, "test", 100, 0, 1, training=False))
     loss = f"{last.loss:.6f}" if start < args.epochs * steps else "none (no step left to train)"
-    print(f"[rank {rank}] final loss {loss} test accuracy {test_acc:.4f} ({test_images} images)",
-          flush=True)
+    print(f"[rank {rank}] final loss {loss} test accuracy {test_acc:.4f} ({test_images} images); the loss is that of "
+          f"this rank's last batch", flush=True)
     return 0
 
 
