@@ -18,7 +18,7 @@ from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._spec import LossSpec
 from ms_gradaccum._validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
-                                      no_trained_weights_error)
+                                      foreign_optimizer_error, no_trained_weights_error)
 
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
@@ -180,7 +180,8 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
                 f"fill its buffers (it would train nothing). Keep the same parallel mode (or AutoParallel) for "
                 f"Model(...) and model.train(...).")
         if not self._trained_weights():
-            raise no_trained_weights_error(_NAME, self.network)
+            raise foreign_optimizer_error(_NAME, self.network, discover(self).optimizer) or \
+                no_trained_weights_error(_NAME, self.network)
         if self._explicit_weights is not None:
             self._check_explicit_weights()
         if compiling_graph():

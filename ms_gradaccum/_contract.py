@@ -42,7 +42,9 @@ from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
 from ms_gradaccum._mindspore.routing import parallel_mode
 from ms_gradaccum._mindspore.surroundings import one_walk
 from ms_gradaccum._loss_scale import PrecisionNeutral
-from ms_gradaccum._microbatch import assemble, check_loss_output, input_kinds, partition, plan, plan_inputs
+from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, check_tensor_inputs,
+                                      failure_context, input_kinds, last_layout, partition, plan, plan_inputs,
+                                      shared_input_hint, with_context)
 from ms_gradaccum._reduce import Unsaved
 from ms_gradaccum._tokens import LabelWatch
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
@@ -91,13 +93,31 @@ def routes(kind: str) -> str:
             f"know the loss is fine here, pass check_loss=False.")
 
 
+class _Refused(Exception):
+    """An error of the eager pass that is the package's own answer (not a reason to leave the check to the graph)."""
+
+
+class _LeaveToGraph(Exception):
+    """An output the graph refuses with its own message, on the micro-batch's shapes."""
+
+
 def _value_and_count(out, cls_name: str, per_token_loss: bool) -> np.ndarray:
     """``[loss, count]`` of an eager forward pass as ScaledLoss tallies them in the graph (float32 sums)."""
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    try:
+        check_loss_dtype(cls_name, (getattr(first, "dtype", None),))
+    except TypeError as error:
+        raise _Refused(error) from None
+    try:
+        if isinstance(out, (tuple, list)):
+            check_loss_output(cls_name, per_token_loss, True, tuple(item.shape for item in out))
+        else:
+            check_loss_output(cls_name, per_token_loss, False, (out.shape,))
+    except ValueError as error:
+        raise _LeaveToGraph() from error
     if isinstance(out, (tuple, list)):
-        check_loss_output(cls_name, per_token_loss, True, tuple(item.shape for item in out))
         count = out[1].asnumpy().astype(np.float32).sum() if len(out) > 1 else np.float32(1.0)
         return np.array([out[0].asnumpy().astype(np.float32).sum(), count], np.float32)
-    check_loss_output(cls_name, per_token_loss, False, (out.shape,))
     return np.array([out.asnumpy().astype(np.float32).sum(), 1.0], np.float32)
 
 
@@ -170,6 +190,8 @@ class ContractCheck(PrecisionNeutral):
         # could not run (the graph runs the pass itself).
         self.passed = False
         self.failed = False
+        # Where several inputs are split: the advice for one that the whole batch shares (set by the eager pass).
+        self.split_hint = ""
 
     @compile_time
     def checked(self) -> Parameter:
@@ -211,6 +233,8 @@ class ContractCheck(PrecisionNeutral):
             return None
         if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
             return None
+        network = self._scaled_loss.loss_of_inputs.network
+        split, failing = None, 0
         try:
             layout = plan_inputs(self.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
                                  self.micro_size)
@@ -220,21 +244,45 @@ class ContractCheck(PrecisionNeutral):
                 return None
             spans = [(0, sizes[0] + sizes[1]), (0, sizes[0]), (sizes[0], sizes[0] + sizes[1])] if pair \
                 else [(0, sizes[0])]
-            network = self._scaled_loss.loss_of_inputs.network
             watch = self.labels.watching(spans[0][1], split) if self.labels is not None else contextlib.nullcontext()
+            self.split_hint = shared_input_hint(*last_layout())
             losses = []
             with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
                 for index, (start, stop) in enumerate(spans):
+                    failing = stop - start if pair and index == 0 else 0
                     with watch if index == 0 else contextlib.nullcontext():   # the labels of the first pass only
                         out = network(*assemble(tuple(x[start:stop] for x in split), shared, constants, layout))
                     # Read at once: PyNative runs asynchronously.
                     losses.append(_value_and_count(out, self.owner_name, self.per_token_loss))
-        except Exception:  # pylint: disable=broad-except
+        except _Refused as refused:
+            raise refused.args[0] from None
+        except Exception as error:  # pylint: disable=broad-except
+            split_only = not isinstance(error, _LeaveToGraph) and split is not None and \
+                self._runs_on_the_whole_batch(network, split, shared, constants, layout)
+            if split_only:
+                # It fails on micro-batch rows only: the error is the split's, and says so (a graph built from it would
+                # fail the same way, at compile or only at run time, without the context).
+                with_context(error, failure_context(self.owner_name, self.micro_size, failing))
+                raise
             # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with
             # its own message. The graph runs the pass (and raises what it has to).
             self.failed = True
             return None
         return losses, sizes
+
+    @staticmethod
+    def _runs_on_the_whole_batch(network: nn.Cell, split: tuple, shared: tuple, constants: tuple,
+                                 layout: tuple) -> bool:
+        """Whether `network` runs eagerly on the whole batch (where a micro-batch's pass failed)."""
+        try:
+            with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
+                out = network(*assemble(split, shared, constants, layout))
+                for item in out if isinstance(out, (tuple, list)) else (out,):
+                    if hasattr(item, "asnumpy"):
+                        item.asnumpy()   # PyNative runs asynchronously: an error surfaces when the result is read
+        except Exception:  # pylint: disable=broad-except
+            return False
+        return True
 
     def _check_eagerly(self, engine: nn.Cell, inputs: tuple) -> None:
         """The check on the eager passes; marks it passed, raises, or leaves it to the graph (no eager pass)."""
@@ -283,7 +331,7 @@ class ContractCheck(PrecisionNeutral):
                 f"step, its loss on the first two micro-batches together ({rows} rows) is {measured}, but "
                 f"combined from their own losses it is {predicted} (ratio {ratio}; about 2 means the loss "
                 f"scales with the rows, other values a normalisation over the batch).{self.noise} "
-                f"{routes(self.kind)}")
+                f"{routes(self.kind)}{self.split_hint}")
 
     def construct(self, split, others, pair_value, pair_count, unit, after):
         """Where the check could not run eagerly: on the first call, the pass on the pair inside the graph, compared
@@ -313,6 +361,8 @@ def prepared_for(owner: nn.Cell, inputs: tuple):
     """The eager pass of `owner` (a GradAccumulationCell or AccumulatingTrainOneStepCell) on its `inputs`, for the
     duration (:meth:`ContractCheck.prepared`); nothing for another cell."""
     engine = getattr(owner, "engine", None)
+    if engine is not None:
+        check_tensor_inputs(engine.owner_name, inputs)
     contract = getattr(engine, "contract", None)
     if isinstance(contract, ContractCheck):
         return contract.prepared(engine, inputs)

@@ -32,8 +32,8 @@ from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._spec import LossSpec
 from ms_gradaccum._tokens import LabelWatch, warn_token_mean
 from ms_gradaccum._validation import readable, warn_batch_norm
-from ms_gradaccum._microbatch import (assemble, check_loss_output, input_kinds, input_names, micro_batch,
-                                      partition, plan_inputs, split_batch)
+from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, input_kinds, input_names,
+                                      micro_batch, partition, plan_inputs, split_batch)
 
 
 class TupleInputs(PrecisionNeutral):
@@ -100,10 +100,12 @@ class ScaledLoss(PrecisionNeutral):
             for item in out:
                 shapes += (item.shape,)
             check_loss_output(self.owner_name, self.per_token_loss, True, shapes)
+            check_loss_dtype(self.owner_name, (out[0].dtype,))
             loss = ops.cast(out[0], mstype.float32)
             count = ops.cast(out[1], mstype.float32).sum() if len(out) > 1 else Tensor(1.0, mstype.float32)
         else:
             check_loss_output(self.owner_name, self.per_token_loss, False, (out.shape,))
+            check_loss_dtype(self.owner_name, (out.dtype,))
             loss = ops.cast(out, mstype.float32)
             count = Tensor(1.0, mstype.float32)
         # A single-element loss of shape (1,) is tallied as a scalar; its shape goes back to the owner (loss_like).

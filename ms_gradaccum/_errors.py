@@ -101,32 +101,18 @@ def micro_batch_context(error: Exception, args: tuple) -> Optional[str]:
     return _loop_context(engine, inputs)
 
 
-def _split_rows(engine: nn.Cell, inputs: Optional[tuple]):
-    kinds, names, layout = _microbatch.last_layout()
-    split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == 0]
-    batch = split[0][1][0]
-    rows = sorted({rows for _, rows in plan(batch, engine.micro_size)}, reverse=True)
-    return split, names, batch, rows
-
-
-def _loop_context(engine: nn.Cell, inputs: Optional[tuple]) -> Optional[str]:
+def _loop_context(engine: nn.Cell, inputs: Optional[tuple]) -> Optional[str]:   # pylint: disable=unused-argument
     if _microbatch.last_layout() is None:
         return None
-    split, names, batch, rows = _split_rows(engine, inputs)
-    row_text = " and ".join(str(r) for r in rows)
-    shown = ", ".join(f"input {i}{f' ({names[i]!r})' if i < len(names) else ''} {tuple(shape)} -> "
-                      f"{tuple((row_text,) + tuple(shape[1:]))}".replace("'", "") for i, shape in split)
-    return (f"For '{engine.owner_name}', the error above was raised by the network running on a micro-batch, not on "
-            f"the whole batch: micro_size={engine.micro_size} splits the batch of {batch} rows into micro-batches of "
-            f"{row_text} rows ({shown}). A cell built for a fixed batch size (e.g. a CTC loss or a reshape configured "
-            f"with the batch size) must be built for the micro-batch's rows ({row_text}), not the batch's ({batch}); "
-            f"then pass check_loss=False, since the loss contract's check runs two micro-batches together.")
+    return _microbatch.failure_context(engine.owner_name, engine.micro_size)
 
 
 def _contract_context(engine: nn.Cell, inputs: tuple) -> Optional[str]:
     if _microbatch.last_layout() is None:
         return None
-    _, _, batch, rows = _split_rows(engine, inputs)
+    kinds, _, layout = _microbatch.last_layout()
+    batch = next(shape for shape, (kind, _) in zip(kinds, layout) if kind == _microbatch.SPLIT)[0]
+    rows = sorted({rows for _, rows in plan(batch, engine.micro_size)}, reverse=True)
     sizes = sorted((r for count, r in plan(batch, engine.micro_size) for _ in range(count)), reverse=True)
     return (f"For '{engine.owner_name}', the error above was raised by the network running on the loss contract's "
             f"check: the first two micro-batches together ({sum(sizes[:2])} rows; micro_size={engine.micro_size} "

@@ -209,6 +209,69 @@ def micro_batch(split: tuple, i) -> Tuple:
     return micro
 
 
+def check_tensor_inputs(cls_name: str, inputs: tuple) -> None:
+    """Refuses NumPy arrays among the inputs the cell is called with: they would reach the graph as constants, never
+    split (a Dataset or ``mindspore.Tensor(array)`` gives Tensors)."""
+    for index, x in enumerate(inputs):
+        if type(x).__module__ == "numpy" and hasattr(x, "shape"):
+            raise TypeError(
+                f"For '{cls_name}', every input to split must be a mindspore.Tensor, but input {index} is a "
+                f"numpy.ndarray of shape {tuple(x.shape)}. Pass mindspore.Tensor(array) (a Dataset's iterator and "
+                f"Model.train give Tensors already).")
+
+
+@primexpr
+def check_loss_dtype(cls_name: str, dtypes: tuple) -> None:
+    """The loss (the first output) must be a float Tensor: an integer has no gradient to accumulate."""
+    if dtypes and "float" not in str(dtypes[0]).lower():
+        raise TypeError(
+            f"For '{cls_name}', the argument 'network' must return a floating-point loss (float16, bfloat16, float32 "
+            f"or float64), but it returned {dtypes[0]}. An integer (a count of correct predictions, an argmax) has no "
+            f"gradient: return the differentiable loss, or cast it where it is meant to train "
+            f"(loss.astype(mindspore.float32)).")
+
+
+def shared_input_hint(kinds: tuple, names: tuple, layout: tuple) -> str:
+    """Where several inputs are split: the advice for one that is shared by the whole batch but whose axis 0 happens
+    to equal the batch size (class weights for 16 classes with a batch of 16), which the cell cannot tell apart."""
+    split = [index for index, (kind, _) in enumerate(layout) if kind == SPLIT]
+    if len(split) < 2:
+        return ""
+    candidates = ", ".join(_label(index, names) for index in split[1:])
+    return (f" If one of the split inputs ({candidates}) is not one row per sample but shared by the whole batch "
+            f"(class weights, ids or a mask of fixed size) whose axis 0 only equals the batch size, declare it (e.g. "
+            f"shared_inputs=({split[1]},)): every micro-batch then gets it whole.")
+
+
+def failure_context(cls_name: str, micro_size: int, check_rows: int = 0) -> str:
+    """What an error the network raised on a micro-batch (or on the loss contract's check of `check_rows` rows, the
+    first two micro-batches together) is about, from the layout :func:`plan_inputs` last planned: the micro-batches'
+    rows, and the fixes."""
+    kinds, names, layout = _LAST["layout"]
+    split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == SPLIT]
+    batch = split[0][1][0]
+    rows = sorted({rows for _, rows in plan(batch, micro_size)}, reverse=True)
+    row_text = " and ".join(str(r) for r in rows)
+    shown = ", ".join(f"input {i}{f' ({names[i]!r})' if i < len(names) else ''} {tuple(shape)} -> "
+                      f"{tuple((row_text,) + tuple(shape[1:]))}".replace("'", "") for i, shape in split)
+    part = (f"the first two micro-batches together ({check_rows} rows, the loss contract's check)" if check_rows
+            else "a micro-batch")
+    return (f"For '{cls_name}', the error above was raised by the network running on {part}, not on the whole "
+            f"batch: micro_size={micro_size} splits the batch of {batch} rows into micro-batches of {row_text} rows "
+            f"({shown}). A cell built for a fixed batch size (e.g. a CTC loss or a reshape configured with the batch "
+            f"size) must be built for the micro-batch's rows ({row_text}), not the batch's ({batch}); then pass "
+            f"check_loss=False, since the loss contract's check runs two micro-batches together."
+            f"{shared_input_hint(kinds, names, layout)}")
+
+
+def with_context(error: Exception, context: str) -> None:
+    """Puts `context` into `error`'s message after its first line (MindSpore's own), ahead of the stack MindSpore
+    appends, where a reader sees it."""
+    if error.args and isinstance(error.args[0], str):
+        head, sep, rest = error.args[0].partition("\n")
+        error.args = (f"{head}\n\n{context}\n{sep}{rest}" if sep else f"{head}\n\n{context}",) + error.args[1:]
+
+
 def last_layout():
     """``(kinds, names, layout)`` of the inputs :func:`plan_inputs` last planned, or None (see _errors)."""
     return _LAST["layout"]

@@ -16,7 +16,8 @@ from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES, parallel_mode
 from ms_gradaccum._mindspore.surroundings import discover
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._spec import LossSpec
-from ms_gradaccum._validation import argument_error, check_cell, check_has_parameters, check_positive_int
+from ms_gradaccum._validation import (argument_error, check_cell, check_has_parameters, check_positive_int,
+                                      foreign_optimizer_error)
 from ms_gradaccum._window import Window
 
 
@@ -94,6 +95,9 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         max_grad_norm = _loss_scale.check_max_grad_norm(max_grad_norm, _NAME)
         scale, manager = _loss_scale.for_train_cell(scale_sense, loss_network, _NAME, self.scale_update_cells)
         check_has_parameters(loss_network, "network", _NAME)
+        foreign = foreign_optimizer_error(_NAME, loss_network, optimizer)
+        if foreign is not None:
+            raise foreign
         splits = [f"micro_size={spec.micro_size} micro-batches"] if spec.micro_size > 1 else []
         splits += [f"accumulate_steps={accumulate_steps} batches per optimizer step"] if accumulate_steps > 1 else []
         warn_where_inexact(loss_network, spec, _NAME, splits)

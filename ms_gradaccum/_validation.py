@@ -167,6 +167,19 @@ def check_has_parameters(network: nn.Cell, arg_name: str, cls_name: str) -> None
             f"has none. Accumulating gradients of nothing would silently train nothing.")
 
 
+def foreign_optimizer_error(cls_name: str, network: nn.Cell, optimizer) -> Optional[ValueError]:
+    """The error for an optimizer none of whose parameters is the network's (it would train nothing), else None."""
+    params = list(getattr(optimizer, "parameters", None) or ())
+    owned = {id(param) for param in network.get_parameters()}
+    if not params or any(id(param) in owned for param in params):
+        return None
+    return ValueError(
+        f"For '{cls_name}', the optimizer must update the network's parameters, but none of the {len(params)} "
+        f"parameter(s) of {type(optimizer).__name__} ({params[0].name!r}, ...) is one of {type(network).__name__}'s. "
+        f"It would train nothing. Build the optimizer over this network's parameters, e.g. "
+        f"nn.SGD(net.trainable_params(), learning_rate) with the net inside the loss network.")
+
+
 def no_trained_weights_error(cls_name: str, network: nn.Cell) -> ValueError:
     """The error for a graph compiled when none of the network's parameters is trained."""
     return ValueError(

@@ -210,3 +210,150 @@ def test_validation_accumulating_cell_warns_for_batch_norm_across_batches():
     net = _bn_net()
     with pytest.warns(UserWarning, match="AccumulatingTrainOneStepCell: the network has batch normalisation"):
         AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), nn.SGD(net.trainable_params(), 0.1), 4)
+
+
+# --- mistakes a user makes, each answered with the package's own message (and a control that the right form trains) ---
+
+def _step(kind, loss_net, optimizer, **kwargs):
+    if kind == "GradAccumulationCell":
+        return nn.TrainOneStepCell(GradAccumulationCell(loss_net, 4, **kwargs), optimizer)
+    return AccumulatingTrainOneStepCell(loss_net, optimizer, 1, micro_size=4, **kwargs)
+
+
+CELLS = ["GradAccumulationCell", "AccumulatingTrainOneStepCell"]
+
+
+@pytest.mark.parametrize("kind", CELLS)
+def test_validation_optimizer_over_another_networks_parameters_is_refused(kind):
+    net, other = make_mlp(0), make_mlp(1)
+    x, y = (Tensor(a) for a in classification_batches(1, 16)[0])
+    message = re.escape(f"For '{kind}', the optimizer must update the network's parameters, but none of the 6 "
+                        f"parameter(s) of SGD (") + r".* is one of WithLossCell's\. It would train nothing\."
+    values = lambda: [param.asnumpy().copy() for param in net.get_parameters()]   # noqa: E731 (names change when wrapped)
+    before = values()
+    with pytest.raises(ValueError, match=message):   # AccumulatingTrainOneStepCell: at construction, before any step
+        _step(kind, nn.WithLossCell(net, ce()), make_optimizer("sgd", other.trainable_params()))(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(values(), before))
+    # Control: the same cell over the network's own parameters trains.
+    _step(kind, nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()))(x, y)
+    assert all(np.abs(a - b).max() > 1e-6 for a, b in zip(values(), before))
+
+
+@pytest.mark.parametrize("kind", CELLS)
+def test_validation_numpy_inputs_are_refused_naming_the_input(kind):
+    net = make_mlp()
+    x, y = classification_batches(1, 16)[0]
+    step = _step(kind, nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()))
+    with pytest.raises(TypeError, match=re.escape(
+            f"For '{kind}', every input to split must be a mindspore.Tensor, but input 0 is a numpy.ndarray of shape "
+            f"(16, 16). Pass mindspore.Tensor(array)")):
+        step(x, Tensor(y))
+    before = params_of(net)
+    step(Tensor(x), Tensor(y))   # control: as Tensors it trains
+    assert_params_moved(params_of(net), before)
+
+
+class _CorrectCount(nn.Cell):
+    """A 'loss' that is an integer: the number of correct predictions."""
+
+    def __init__(self, cast: bool = False):
+        super().__init__()
+        self.net, self.cast, self.ce = make_mlp(), cast, ce()
+
+    def construct(self, x, y):
+        if self.cast:
+            return self.ce(self.net(x), y)
+        return (self.net(x).argmax(-1) == y).astype(ms.int32).sum()
+
+
+@pytest.mark.parametrize("kind", CELLS)
+def test_validation_integer_loss_is_refused_naming_its_dtype(kind):
+    loss_net = _CorrectCount()
+    x, y = (Tensor(a) for a in classification_batches(1, 16)[0])
+    step = _step(kind, loss_net, make_optimizer("sgd", loss_net.trainable_params()))
+    with pytest.raises(TypeError, match=re.escape(
+            f"For '{kind}', the argument 'network' must return a floating-point loss (float16, bfloat16, float32 or "
+            f"float64), but it returned Int")):
+        step(x, y)
+    # Control: the same network returning its float loss trains (and the check about reductions stays silent).
+    loss_net = _CorrectCount(cast=True)
+    step = _step(kind, loss_net, make_optimizer("sgd", loss_net.trainable_params()))
+    before = params_of(loss_net)
+    step(x, y)
+    assert_params_moved(params_of(loss_net), before)
+
+
+class _ClassScaled(nn.Cell):
+    """Logits scaled by one weight per class: with 16 classes and a batch of 16, the weights' axis 0 equals the
+    batch size, so the cell cannot tell them from a batched input unless they are declared shared."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _seeded(nn.Dense(16, 16), 0)
+        self.ce = ce()
+
+    def construct(self, x, class_weights, y):
+        return self.ce(self.net(x) * class_weights, y)
+
+
+@pytest.mark.parametrize("kind", CELLS)
+def test_validation_undeclared_shared_input_gets_the_shared_inputs_advice(kind):
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((16, 16)).astype(np.float32))
+    w = Tensor(np.linspace(0.5, 1.5, 16).astype(np.float32))
+    y = Tensor(rng.integers(0, 16, 16).astype(np.int32))
+    loss_net = _ClassScaled()
+    with pytest.raises(ValueError) as caught:
+        _step(kind, loss_net, make_optimizer("sgd", loss_net.trainable_params()))(x, w, y)
+    head = str(caught.value).split("C++ Call Stack")[0]
+    assert f"For '{kind}', the error above was raised by the network running on" in head, head
+    assert "input 1 ('class_weights')" in head and "declare it (e.g. shared_inputs=(1,))" in head, head
+    # Control: declared, it trains exactly as the full batch.
+    loss_net, reference = _ClassScaled(), _ClassScaled()
+    step = _step(kind, loss_net, make_optimizer("sgd", loss_net.trainable_params()), shared_inputs=(1,))
+    initial = [param.asnumpy().copy() for param in loss_net.get_parameters()]
+    step(x, w, y)
+    nn.TrainOneStepCell(reference, make_optimizer("sgd", reference.trainable_params()))(x, w, y)
+    for actual, expected, start in zip(loss_net.get_parameters(), reference.get_parameters(), initial):
+        np.testing.assert_allclose(actual.asnumpy(), expected.asnumpy(), rtol=1e-5, atol=1e-6)
+        assert np.abs(actual.asnumpy() - start).max() > 1e-4
+
+
+class _FixedBatchReshape(nn.Cell):
+    """A loss network built for a batch of `rows` (the issue's: reshape(16, 3) of the logits and reshape(16) of y)."""
+
+    def __init__(self, rows: int = 16):
+        super().__init__()
+        self.net, self.ce, self.rows = _seeded(nn.Dense(4, 3), 0), nn.CrossEntropyLoss(), rows
+
+    def construct(self, x, y):
+        return self.ce(self.net(x).reshape(self.rows, 3), y.reshape(self.rows))
+
+
+def test_validation_fixed_batch_reshape_gets_the_micro_batch_context_in_graph_mode():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(0)
+    x, y = Tensor(rng.standard_normal((16, 4)).astype(np.float32)), Tensor(rng.integers(0, 3, 16).astype(np.int32))
+    loss_net = _FixedBatchReshape()
+    step = nn.TrainOneStepCell(GradAccumulationCell(loss_net, 4), nn.SGD(loss_net.trainable_params(), 0.1))
+    with pytest.raises(ValueError) as caught:
+        step(x, y)
+    message = str(caught.value)
+    head = message.split("C++ Call Stack")[0]   # before MindSpore's stacks: where a reader looks
+    assert "For 'GradAccumulationCell', the error above was raised by the network running on" in head, message[-3000:]
+    assert "micro_size=4 splits the batch of 16 rows into micro-batches of 4 rows" in head
+    assert "must be built for the micro-batch's rows (4), not the batch's (16); then pass check_loss=False" in head
+    # With the check off, the graph's own compile says the same (the micro-batch's graph fails on the reshape)...
+    step = nn.TrainOneStepCell(GradAccumulationCell(_FixedBatchReshape(), 4, check_loss=False),
+                               nn.SGD(loss_net.trainable_params(), 0.1))
+    with pytest.raises(ValueError, match="Reshape|reshape") as caught:
+        step(x, y)
+    assert "raised by the network running on a micro-batch, not on the whole batch" in \
+        str(caught.value).split("C++ Call Stack")[0]
+    # ... and, built for the micro-batch's rows as the message says, it trains.
+    loss_net = _FixedBatchReshape(rows=4)
+    step = nn.TrainOneStepCell(GradAccumulationCell(loss_net, 4, check_loss=False),
+                               nn.SGD(loss_net.trainable_params(), 0.1))
+    before = params_of(loss_net)
+    step(x, y)
+    assert_params_moved(params_of(loss_net), before)

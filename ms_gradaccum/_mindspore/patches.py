@@ -198,7 +198,9 @@ class GraphCompile(Patch):
                 for decorate in decorators:
                     context = decorate(error, args)
                     if context is not None and error.args and isinstance(error.args[0], str):
-                        error.args = (f"{error.args[0]}\n\n{context}",) + error.args[1:]
+                        # After MindSpore's first line, ahead of the stacks it appends: where a reader looks.
+                        head, sep, rest = error.args[0].partition("\n")
+                        error.args = (f"{head}\n\n{context}\n{sep}{rest}",) + error.args[1:]
                         break
                 raise
 
