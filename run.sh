@@ -57,7 +57,8 @@ stop_processes() {   # job $1: SIGTERM, then SIGKILL after $2 seconds for what i
 if [ "${1:-}" = "--guard-job" ]; then
   # The guard (started by run.sh in a session of its own, without the job's mark): when run.sh is gone, killed by a
   # signal it cannot trap (SIGKILL), the job it left is stopped, so that nothing trains on as an orphan.
-  while kill -0 "$2" 2>/dev/null; do sleep 2; done
+  alive() { local stat; read -r stat 2>/dev/null <"/proc/$1/stat" || return 1; [[ "${stat##*) }" != Z* ]]; }
+  while alive "$2"; do sleep 2; done   # a zombie (killed, not yet reaped by its parent) is gone too
   stop_processes "$3" 5
   exit 0
 fi

@@ -95,6 +95,135 @@ def test_run_sh_killed_rank_fails_fast_with_its_log(tmp_path, launcher):
     assert not _processes_with_env(marker, 0), "rank 0 was left running"
 
 
+def _job_processes(marker: str) -> list:
+    """PIDs of every process of a run.sh job of this test (launchers, scheduler, ranks: found by a marker variable)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                if f"MS_GRADACCUM_TEST_RUN={marker}".encode() in handle.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _start_job(tmp_path, launcher: str, marker: str, *args: str) -> subprocess.Popen:
+    """run.sh with 2 workers in a process group of its own, as a terminal runs a foreground command."""
+    env = _run_sh_env(tmp_path, "logs", MS_GRADACCUM_TEST_RUN=marker, LAUNCHER=launcher)
+    return subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), "2", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _stop_and_time(job, marker: str, send, bound: float) -> tuple:
+    """`send()` once rank 0 has trained an epoch; ``(run.sh's output, seconds from the signal until no process of the
+    job is left, the job's processes found just before)``."""
+    log = None
+    try:
+        _wait_for(lambda: job.poll() is None and "epoch 2/" in _read(_rank_0_log(job)), 240, "rank 0 to train")
+        log = _read(_rank_0_log(job))
+        before = _job_processes(marker)
+        sent = time.monotonic()
+        send()
+        output = job.communicate(timeout=bound)[0]   # reaped, as a shell reaps its foreground command
+        left = max(bound - (time.monotonic() - sent), 1)
+        _wait_for(lambda: not _job_processes(marker), left, "no process of the job left")
+        gone = time.monotonic() - sent
+        return output, gone, before
+    finally:
+        for pid in _job_processes(marker):
+            os.kill(pid, 9)
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.communicate()
+        assert log is None or "epoch 1/" in log
+
+
+def _rank_0_log(job) -> str:
+    return os.path.join(job.args_log_dir, "1", "rank.0", "stdout")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return ""
+
+
+STOPS = {
+    # What a person does, and the exit status run.sh owes: Ctrl-C in a terminal reaches the whole foreground process
+    # group; SIGTERM and SIGHUP (a closed terminal, a scheduler's stop) reach run.sh.
+    "ctrl-c": (lambda job: os.killpg(job.pid, signal.SIGINT), 130, "SIGINT"),
+    "sigterm": (lambda job: os.kill(job.pid, signal.SIGTERM), 143, "SIGTERM"),
+    "sighup": (lambda job: os.kill(job.pid, signal.SIGHUP), 129, "SIGHUP"),
+}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the job's processes through /proc")
+@pytest.mark.parametrize("stop", sorted(STOPS))
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_run_sh_signal_stops_every_process_of_the_job(tmp_path, launcher, stop):
+    require_ranks(2)
+    if launcher == "mpirun" and not _mpirun_works():
+        pytest.skip("mpirun is not installed or does not start processes here (run.sh then uses msrun)")
+    send, status, name = STOPS[stop]
+    marker = uuid.uuid4().hex
+    job = _start_job(tmp_path, launcher, marker, "--epochs", "500", "--max-steps", "3")
+    job.args_log_dir = str(tmp_path / "logs")
+    output, gone, before = _stop_and_time(job, marker, lambda: send(job), 10)
+    # Control: the job was there to stop (launcher, scheduler or msrun's own processes, and both ranks).
+    assert len(before) >= 3, before
+    assert job.returncode == status, output[-3000:]
+    assert f"run.sh: {name} received: stopping the job" in output and "no process of the job is left" in output
+    assert re.search(r"run\.sh: saved: epoch \d+, step 3 of that epoch, on every rank", output), output[-3000:]
+    assert f"run.sh: continue with: LOG_DIR={tmp_path / 'logs'} LAUNCHER={launcher} bash run.sh 2 --epochs 500 " \
+           f"--max-steps 3 --resume" in output
+    assert "[rank 0] epoch 1/500: step 3/1500, loss " in output   # the progress reached the terminal
+    print(f"{launcher} {stop}: no process of the job left {gone:.1f} s after the signal")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the job's processes through /proc")
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+@pytest.mark.parametrize("guard", ["guard", "ranks"])
+def test_run_sh_killed_with_sigkill_leaves_no_orphan(tmp_path, launcher, guard):
+    # run.sh killed by SIGKILL cannot stop its job: the guard it started in a session of its own does ("guard"); with
+    # the guard killed too, the ranks see that run.sh is gone and stop themselves ("ranks"), and the launcher ends.
+    require_ranks(2)
+    if launcher == "mpirun" and not _mpirun_works():
+        pytest.skip("mpirun is not installed or does not start processes here (run.sh then uses msrun)")
+    marker = uuid.uuid4().hex
+    job = _start_job(tmp_path, launcher, marker, "--epochs", "500", "--max-steps", "3")
+    job.args_log_dir = str(tmp_path / "logs")
+
+    def kill():
+        guards = [pid for pid in _guards_of(job.pid)] if guard == "ranks" else []
+        assert guard == "guard" or guards, "run.sh's guard was not found"
+        os.killpg(job.pid, 9)   # run.sh and everything in its process group
+        for pid in guards:
+            os.kill(pid, 9)
+    output, gone, before = _stop_and_time(job, marker, kill, 40)
+    assert len(before) >= 3, before
+    assert job.returncode == -9
+    if guard == "ranks":
+        assert "run.sh (pid" in _read(_rank_0_log(job)) and "is gone: stopping this rank" in _read(_rank_0_log(job))
+    print(f"{launcher}, run.sh SIGKILLed ({guard}): no process of the job left {gone:.1f} s after")
+
+
+def _guards_of(run_sh_pid: int) -> list:
+    """The guard run.sh started (its command line names run.sh's PID after --guard-job)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                args = handle.read().split(b"\0")
+        except OSError:
+            continue
+        if b"--guard-job" in args and args[args.index(b"--guard-job") + 1] == str(run_sh_pid).encode():
+            found.append(int(pid))
+    return found
+
+
 def _final_line(log) -> tuple:
     found = re.search(r"final loss ([0-9.]+) test accuracy ([0-9.]+)", log.read_text(errors="replace"))
     assert found, log.read_text(errors="replace")[-2000:]
@@ -122,8 +251,7 @@ def test_run_sh_killed_job_resumes_and_ends_as_the_uninterrupted_run(tmp_path):
     output, ended_after = _kill_rank_1_when(job, worker_1, "epoch: 2 step: 5,", marker, "rank 1 to reach epoch 2")
     assert job.returncode != 0 and "run.sh: FAILED" in output, output[-3000:]
     assert "final loss" not in worker_1.read_text(errors="replace"), "rank 1 finished before it was killed"
-    assert f"continue from the newest with the same command and --resume (bash run.sh {' '.join(args)} --resume)" \
-        in output, output[-3000:]
+    assert f"run.sh: continue with: LOG_DIR={log_dir} bash run.sh {' '.join(args)} --resume" in output, output[-3000:]
     resumed = subprocess.run(["bash", os.path.join(REPO, "run.sh"), *args, "--resume"],
                              env=_run_sh_env(tmp_path, "stopped"), cwd=REPO, capture_output=True, text=True,
                              timeout=300, check=False)
@@ -331,3 +459,81 @@ def test_run_sh_without_mindspore_installs_into_its_own_venv_only(tmp_path):
     assert f"run.sh: could not install MindSpore and scikit-learn into {venv}" in done.stderr
     assert (venv / "bin" / "python").exists() and not list(bare.glob("lib/python*/site-packages/mindspore"))
     assert not (tmp_path / "logs").exists(), "nothing may be launched"
+
+
+def _run(tmp_path, folder: str, *args: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", os.path.join(REPO, "run.sh"), *args], env=_run_sh_env(tmp_path, folder, **env),
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+
+
+def _checkpoints(folder) -> dict:
+    """``{path: (size, mtime)}`` of every file under a checkpoint folder."""
+    return {str(path): (path.stat().st_size, path.stat().st_mtime_ns) for path in sorted(folder.rglob("*"))
+            if path.is_file()}
+
+
+def _weights(folder, name: str) -> dict:
+    import mindspore as ms   # pylint: disable=import-outside-toplevel
+    return {key: value.asnumpy() for key, value in ms.load_checkpoint(str(folder / name)).items()}
+
+
+def test_run_sh_resume_is_exact_or_refused(tmp_path):
+    # A finished 2-worker run of 1 epoch (3 steps). Resumed with a setting that changes where the data stands or what
+    # the state means: refused before anything starts, each change named, nothing deleted. Resumed with what does not
+    # (more --epochs, another --micro-size): it goes on and ends as the uninterrupted 2-epoch run.
+    require_ranks(2)
+    import numpy as np   # pylint: disable=import-outside-toplevel
+    base = ["--max-steps", "3", "--loss-every", "1"]
+    first = _run(tmp_path, "job", "2", "--epochs", "1", *base)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    saved = tmp_path / "job" / "checkpoints"
+    kept = _checkpoints(saved)
+    assert any(path.endswith("train-1_3.ckpt") for path in kept) and any(p.endswith("job.json") for p in kept)
+    for args, changes in [
+        (["2", "--epochs", "2", "--batch-size", "64", *base], ["--batch-size: checkpoint 32, now 64"]),
+        (["4", "--epochs", "2", *base], ["workers (world size): checkpoint 2, now 4"]),
+        (["2", "--epochs", "2", "--accumulate-steps", "2", "--lr", "0.1", *base],
+         ["--accumulate-steps: checkpoint 1, now 2", "--lr: checkpoint 0.01, now 0.1"]),
+        (["2", "--epochs", "2", "--max-steps", "4", "--loss-every", "1"], ["--max-steps: checkpoint 3, now 4"]),
+    ]:
+        started = time.monotonic()
+        refused = _run(tmp_path, "job", *args, "--resume")
+        assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+        assert f"train.py: error: --resume: the checkpoints in {saved} were trained with other settings. Resuming " \
+               "would not continue their run exactly: nothing was started or deleted." in refused.stderr
+        for change in changes:
+            assert f"\n  {change}\n" in refused.stderr + "\n", refused.stderr
+        assert "Either resume with the checkpoint's values, or start a new run in another folder" in refused.stderr
+        assert "worker(s) on" not in refused.stdout and time.monotonic() - started < 60, "refused only after a launch"
+        assert _checkpoints(saved) == kept, "a refused resume changed the checkpoints"
+    # Checkpoints without a record of their settings (an older sample's) are refused too.
+    (tmp_path / "old").mkdir()
+    for path in saved.rglob("*.ckpt"):
+        target = tmp_path / "old" / "checkpoints" / path.parent.name / path.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    refused = _run(tmp_path, "old", "2", "--epochs", "2", *base, "--resume")
+    assert refused.returncode == 2 and "hold no record of the settings they were trained with" in refused.stderr
+    # What does not change the arithmetic resumes: two more steps of micro-batches, and a second epoch, against the
+    # uninterrupted 2-epoch run (control: the refused runs above; and the 1-epoch weights differ from the 2-epoch ones).
+    whole = _run(tmp_path, "whole", "2", "--epochs", "2", *base)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    for folder, extra in (("job", []), ("micro", ["--micro-size", "2"])):
+        if folder == "micro":
+            # A resume that finds nothing to resume says so on the terminal, and starts from the beginning.
+            fresh = _run(tmp_path, "micro", "2", "--epochs", "1", *base, "--resume")
+            assert fresh.returncode == 0, fresh.stdout[-3000:] + fresh.stderr[-3000:]
+            assert "[rank 0] --resume: no checkpoint that every rank completed in" in fresh.stdout, fresh.stdout
+        resumed = _run(tmp_path, folder, "2", "--epochs", "2", *base, *extra, "--resume")
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert "[rank 0] resumed from " in resumed.stdout and "global step 3 (epoch 1, step 3 of 3)" in resumed.stdout
+        for rank in (0, 1):
+            name = f"rank_{rank}/train-2_3.ckpt"
+            final, reference = _weights(tmp_path / folder / "checkpoints", name), \
+                _weights(tmp_path / "whole" / "checkpoints", name)
+            assert sorted(final) == sorted(reference)
+            worst = max(float(np.abs(final[key] - reference[key]).max()) for key in reference)
+            assert worst <= (0.0 if not extra else 1e-6), f"{folder} rank {rank}: {worst:g} from the whole run"
+            start = _weights(tmp_path / "whole" / "checkpoints", f"rank_{rank}/train-1_3.ckpt")
+            assert max(float(np.abs(start[key] - reference[key]).max()) for key in reference
+                       if key.startswith("layers.")) > 1e-4

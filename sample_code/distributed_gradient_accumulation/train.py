@@ -274,10 +274,21 @@ class LauncherWatch(ms.train.Callback):
             return
         self.checked = time.monotonic()
         try:
-            os.kill(self.pid, 0)
-        except (ProcessLookupError, PermissionError):   # none, or another user's process under the number now
+            with open(f"/proc/{self.pid}/stat", encoding="ascii", errors="replace") as handle:
+                gone = handle.read().rpartition(") ")[2].startswith("Z")   # killed, not yet reaped: gone too
+        except OSError:
+            gone = not _exists(self.pid)
+        if gone:
             print(f"[rank {self.rank}] run.sh (pid {self.pid}) is gone: stopping this rank", flush=True)
             os._exit(143)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):   # none, or another user's process under the number now
+        return False
+    return True
 
 
 class _LastLoss(ms.train.Callback):
