@@ -141,12 +141,13 @@ def _assert_same_weights(actual: str, expected: str, tolerance: float = 1e-6) ->
 
 
 def _stopped_copy(source, target, last_step: int) -> None:
-    """`target` holds what a run stopped after global step `last_step` would have left: the checkpoints up to it."""
+    """`target` holds what a run stopped after global step `last_step` would have left: the checkpoints up to it, and
+    the record of the settings they were trained with."""
     import shutil   # pylint: disable=import-outside-toplevel
     os.makedirs(target)
     for name in os.listdir(source):
         found = re.match(r"train-(\d+)_(\d+)\.ckpt$", name)
-        if found and (int(found.group(1)) - 1) * 5 + int(found.group(2)) <= last_step:
+        if name == "job.json" or found and (int(found.group(1)) - 1) * 5 + int(found.group(2)) <= last_step:
             shutil.copy(os.path.join(source, name), os.path.join(target, name))
 
 
@@ -160,8 +161,8 @@ def test_sample_resume_mid_epoch_ends_as_the_uninterrupted_run(tmp_path, accumul
     status, reference = _sample(tmp_path / "a", *args)
     assert status == 0, reference[-3000:]
     folder = tmp_path / "a" / "logs" / "checkpoints" / "rank_0"
-    assert sorted(os.listdir(folder)) == ["train-1_2.ckpt", "train-1_4.ckpt", "train-1_5.ckpt", "train-2_1.ckpt",
-                                          "train-2_3.ckpt", "train-2_5.ckpt", "train-graph.meta"]
+    assert sorted(os.listdir(folder)) == ["job.json", "train-1_2.ckpt", "train-1_4.ckpt", "train-1_5.ckpt",
+                                          "train-2_1.ckpt", "train-2_3.ckpt", "train-2_5.ckpt", "train-graph.meta"]
     _stopped_copy(folder, tmp_path / "b" / "logs" / "checkpoints" / "rank_0", 6)
     status, resumed = _sample(tmp_path / "b", *args, "--resume")
     assert status == 0, resumed[-3000:]
