@@ -236,25 +236,28 @@ class Network(nn.Cell):
 
 class Progress(ms.train.Callback):
     """One line per epoch (run.sh shows the first rank's on the terminal): the epoch, the global step, the last batch's
-    loss, the job's throughput and the time left, from the steps this run has trained."""
+    loss, the job's throughput in the epoch and the time left at that pace."""
 
     def __init__(self, rank: int, epochs: int, steps_per_epoch: int, job_batch: int):
         super().__init__()
         self.rank, self.epochs, self.steps, self.job_batch = rank, epochs, steps_per_epoch, job_batch
-        self.started = self.first_step = None
+        self.epoch_started = self.epoch_first_step = None
+        self.first = True
 
-    def on_train_begin(self, run_context):
-        self.started, self.first_step = time.monotonic(), run_context.original_args().cur_step_num
+    def on_train_epoch_begin(self, run_context):
+        self.epoch_started, self.epoch_first_step = time.monotonic(), run_context.original_args().cur_step_num
 
     def on_train_epoch_end(self, run_context):
         args = run_context.original_args()
         done, total = args.cur_step_num, self.epochs * self.steps
-        seconds = time.monotonic() - self.started
-        per_step = seconds / max(done - self.first_step, 1)
+        # The pace of this epoch: the first one's includes compiling, later ones are the steady rate.
+        per_step = (time.monotonic() - self.epoch_started) / max(done - self.epoch_first_step, 1)
         left = int(round(per_step * (total - done)))
+        compiling = " (this epoch compiled the graphs)" if self.first else ""
+        self.first = False
         print(f"[rank {self.rank}] epoch {args.cur_epoch_num}/{self.epochs}: step {done}/{total}, loss "
               f"{float(args.net_outputs.asnumpy()):.4f}, {self.job_batch / per_step:.0f} samples/s, about "
-              f"{left // 60} min {left % 60:02d} s left", flush=True)
+              f"{left // 60} min {left % 60:02d} s left{compiling}", flush=True)
 
 
 class LauncherWatch(ms.train.Callback):
