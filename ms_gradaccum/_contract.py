@@ -162,6 +162,38 @@ def call_state_kept(network: nn.Cell):
             cell.__dict__.update(attributes)
 
 
+def runs_on(network: nn.Cell, args: tuple) -> bool:
+    """Whether `network` runs eagerly on `args` (:func:`run_eagerly`) without raising."""
+    try:
+        run_eagerly(network, [args])
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True
+
+
+def run_eagerly(network: nn.Cell, calls: list, around_first=None) -> list:
+    """The one place the package runs the user's network outside a graph (the loss contract's check, and the error
+    decoration's tries): its forward pass on each argument tuple of `calls`, eagerly (PyNative mode, no gradient), each
+    output read at once (PyNative runs asynchronously: an error surfaces when a result is read). BatchNorm's moving
+    statistics and what cells' own ``__call__`` set are put back after, so the passes leave the network as they found
+    it. `around_first`, a context manager, is entered around the first call only. An error raised by a call carries
+    that call's index as ``eager_call``."""
+    outputs = []
+    with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
+        for index, args in enumerate(calls):
+            try:
+                with around_first if index == 0 and around_first is not None else contextlib.nullcontext():
+                    out = network(*args)
+                for item in out if isinstance(out, (tuple, list)) else (out,):
+                    if hasattr(item, "asnumpy"):
+                        item.asnumpy()
+            except Exception as error:
+                error.eager_call = index
+                raise
+            outputs.append(out)
+    return outputs
+
+
 class ContractCheck(PrecisionNeutral):
     """The check (see the module docstring). :meth:`prepared` runs it eagerly before a graph compiles or runs, on the
     first step the owner trains; where it cannot run so, ``construct`` runs the pass on the pair inside the graph and
@@ -234,7 +266,7 @@ class ContractCheck(PrecisionNeutral):
         if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
             return None
         network = self._scaled_loss.loss_of_inputs.network
-        split, failing = None, 0
+        split = None
         try:
             layout = plan_inputs(self.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
                                  self.micro_size)
@@ -246,43 +278,26 @@ class ContractCheck(PrecisionNeutral):
                 else [(0, sizes[0])]
             watch = self.labels.watching(spans[0][1], split) if self.labels is not None else contextlib.nullcontext()
             self.split_hint = shared_input_hint(*last_layout())
-            losses = []
-            with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
-                for index, (start, stop) in enumerate(spans):
-                    failing = stop - start if pair and index == 0 else 0
-                    with watch if index == 0 else contextlib.nullcontext():   # the labels of the first pass only
-                        out = network(*assemble(tuple(x[start:stop] for x in split), shared, constants, layout))
-                    # Read at once: PyNative runs asynchronously.
-                    losses.append(_value_and_count(out, self.owner_name, self.per_token_loss))
+            outputs = run_eagerly(network, [assemble(tuple(x[start:stop] for x in split), shared, constants, layout)
+                                            for start, stop in spans], around_first=watch)   # labels: the first pass
+            losses = [_value_and_count(out, self.owner_name, self.per_token_loss) for out in outputs]
         except _Refused as refused:
             raise refused.args[0] from None
         except Exception as error:  # pylint: disable=broad-except
             split_only = not isinstance(error, _LeaveToGraph) and split is not None and \
-                self._runs_on_the_whole_batch(network, split, shared, constants, layout)
+                runs_on(network, assemble(split, shared, constants, layout))
             if split_only:
                 # It fails on micro-batch rows only: the error is the split's, and says so (a graph built from it would
                 # fail the same way, at compile or only at run time, without the context).
-                with_context(error, failure_context(self.owner_name, self.micro_size, failing))
+                # The pair's rows where its pass (the first) failed, else a micro-batch's.
+                pair_rows_run = spans[0][1] if pair and getattr(error, "eager_call", None) == 0 else 0
+                with_context(error, failure_context(self.owner_name, self.micro_size, pair_rows_run))
                 raise
             # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with
             # its own message. The graph runs the pass (and raises what it has to).
             self.failed = True
             return None
         return losses, sizes
-
-    @staticmethod
-    def _runs_on_the_whole_batch(network: nn.Cell, split: tuple, shared: tuple, constants: tuple,
-                                 layout: tuple) -> bool:
-        """Whether `network` runs eagerly on the whole batch (where a micro-batch's pass failed)."""
-        try:
-            with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
-                out = network(*assemble(split, shared, constants, layout))
-                for item in out if isinstance(out, (tuple, list)) else (out,):
-                    if hasattr(item, "asnumpy"):
-                        item.asnumpy()   # PyNative runs asynchronously: an error surfaces when the result is read
-        except Exception:  # pylint: disable=broad-except
-            return False
-        return True
 
     def _check_eagerly(self, engine: nn.Cell, inputs: tuple) -> None:
         """The check on the eager passes; marks it passed, raises, or leaves it to the graph (no eager pass)."""

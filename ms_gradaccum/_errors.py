@@ -22,9 +22,8 @@ from typing import Optional
 from mindspore import nn
 
 from ms_gradaccum import _microbatch
-from ms_gradaccum._contract import inner_cell, moving_statistics_kept
+from ms_gradaccum._contract import inner_cell, runs_on
 from ms_gradaccum._microbatch import assemble, input_kinds, partition, plan, plan_inputs
-from ms_gradaccum._mindspore.graph import eager_mode
 
 # The engine whose graph the compile under way built, if any (see 1. above).
 _NOTED = {"engine": None}
@@ -62,15 +61,7 @@ def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: int) -> Optional[bo
         return None
     rows = sum(sizes[:micro_batches])
     network = engine.scaled_loss.loss_of_inputs.network
-    try:
-        with eager_mode(), moving_statistics_kept(network):
-            out = network(*assemble(tuple(x[:rows] for x in split), shared, constants, layout))
-            for item in out if isinstance(out, (tuple, list)) else (out,):
-                if hasattr(item, "asnumpy"):
-                    item.asnumpy()   # PyNative runs asynchronously: an error surfaces when the result is read
-    except Exception:  # pylint: disable=broad-except
-        return True
-    return False
+    return not runs_on(network, assemble(tuple(x[:rows] for x in split), shared, constants, layout))
 
 
 def _network_call_in(message: str, engine: nn.Cell) -> bool:

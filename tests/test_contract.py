@@ -360,6 +360,38 @@ def test_contract_check_leaves_what_a_cell_s_own_call_set_as_it_was(wrap, optimi
     assert max(np.abs(wrong[name] - expected[name]).max() for name in expected) > 1e-3
 
 
+class SharedAttentionFixedBatch(SharedAttention):
+    """:class:`SharedAttention` built for a batch of 8 (a reshape to it): it fails on every micro-batch."""
+
+    def construct(self, x, y):
+        hidden = self.attention(x, self.memory(x), self.memory(x))[0]
+        hidden = self.attention(hidden, hidden, hidden)[0]
+        return self.loss(self.head(hidden).reshape(8, 5), y)
+
+
+@pytest.mark.parametrize("check_loss", [True, False])
+def test_contract_error_path_leaves_what_a_cell_s_own_call_set_as_it_was(check_loss, monkeypatch):
+    # The error on a micro-batch is found by an eager pass: the check's (check_loss=True), or the error decoration's
+    # tries after the compile failed (check_loss=False). Both run the network through one function, which puts back
+    # what nn.MultiheadAttention's __call__ recorded: after the error its flags are as graph mode leaves them.
+    rng = np.random.RandomState(0)
+    x, y = Tensor(rng.randn(8, 5, 8).astype(np.float32)), Tensor(rng.randn(8, 5).astype(np.float32))
+
+    def flags_after_the_error():
+        net = SharedAttentionFixedBatch()
+        step = nn.TrainOneStepCell(GradAccumulationCell(net, K, check_loss=check_loss),
+                                   make_optimizer("sgd", net.trainable_params()))
+        with pytest.raises(ValueError) as caught:
+            step(x, y)
+        assert "raised by the network running on" in str(caught.value).split("C++ Call Stack")[0], str(caught.value)
+        return net.attention.k_is_v, net.attention.q_is_k
+
+    assert flags_after_the_error() == (False, False)
+    # Negative control: without putting them back, the error path leaves the last eager call's flags.
+    monkeypatch.setattr(_contract, "call_state_kept", lambda network: contextlib.nullcontext())
+    assert flags_after_the_error() == (True, True)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"reduction": "max"}, ValueError, r"the argument 'reduction' must be 'mean' \(a mean over the rows it is given\) "
                                        r"or 'sum'"),

@@ -356,8 +356,9 @@ def test_tokens_token_mean_loss_without_per_token_loss_is_warned_with_the_fix():
     assert not _token_mean_warnings(lambda: GradAccumulationCell(loss_net(), 1))
     assert not _token_mean_warnings(lambda: GradAccumulationCell(
         nn.WithLossCell(make_mlp(), token_sum_loss(nn.CrossEntropyLoss())), K, per_token_loss=True))
+    declared = GradAccumulationCell(loss_net(), K, per_token_loss=False)
     assert not _token_mean_warnings(lambda: AccumulatingTrainOneStepCell(
-        GradAccumulationCell(loss_net(), K, per_token_loss=False), opt, 1))
+        declared, make_optimizer("sgd", declared.trainable_params()), 1))
     assert not _token_mean_warnings(lambda: GradAccumulationCell(nn.WithLossCell(make_mlp(), ce()), K))
     # An adapted loss beside one that is not: the other one is still named.
     both = nn.SequentialCell(token_sum_loss(nn.CrossEntropyLoss()), nn.NLLLoss())
