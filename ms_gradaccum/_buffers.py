@@ -95,11 +95,6 @@ class GradientBuffers(nn.Cell):
         return ParameterTuple([params[key] for key in keys])
 
 
-def state_scalar(name: str, value, dtype=mstype.int32) -> Parameter:
-    """A scalar window counter or setting, saved in checkpoints as ``accu_state.<name>``."""
-    return Parameter(Tensor(value, dtype), name=f"{STATE_PREFIX}.{name}", requires_grad=False)
-
-
 # --- in-place operations (graph mode: no gradient-sized temporary per weight) ----------------------------------------
 # Each operation over the buffers is one HyperMap, expanded into one call per buffer when the graph compiles: a Python
 # loop over the weights compiles slower (docs/measurements.md, "Why the code is shaped so"). The calls run in the order

@@ -15,6 +15,7 @@ import mindspore.dataset as ds
 from mindspore import nn
 
 from ms_gradaccum._cell import GradAccumulationCell
+from ms_gradaccum._contract import random_cells
 from ms_gradaccum._tokens import token_mean_cells
 from ms_gradaccum._validation import batch_norm_cells, check_positive_int
 
@@ -69,8 +70,7 @@ def _likely_causes(network: nn.Cell, actual: dict, expected: dict, initial: dict
     norms = batch_norm_cells(network)
     if norms:
         causes.append(f"batch normalisation ({', '.join(norms)}): its statistics are per micro-batch")
-    dropouts = [f"{name} ({type(cell).__name__})" for name, cell in network.cells_and_names()
-                if "dropout" in type(cell).__name__.lower()]
+    dropouts = random_cells(network)
     if dropouts:
         causes.append(f"dropout ({', '.join(dropouts)}): random masks differ between the runs; set_train(False) "
                       f"them or drop them for the check")

@@ -11,9 +11,8 @@ two for any other. ``value`` and ``count`` are the batch's loss value and count
 as ``_buffers`` defines them (a mean loss counts rows in units of `unit`; a ``(loss_sum, count)`` network its
 count). The owner divides the buffers by ``_buffers.divisor`` and the value by the count. ``value`` and ``count``
 are float32 scalars; ``loss_like`` is zeros of the shape of the network's loss (``()`` or ``(1,)``: MindFormers' models
-return
-``(1,)``), so that the owner returns its loss in that shape, as MindSpore's train cells do. `key` names the trained
-weights, so that PyNative mode compiles again when they change.
+return ``(1,)``), so that the owner returns its loss in that shape, as MindSpore's train cells do. `key` names the
+trained weights, so that PyNative mode compiles again when they change.
 """
 from typing import Callable
 
@@ -227,8 +226,7 @@ class MicroBatchGradients(PrecisionNeutral):
     def _check_counts(self, smallest, finite):
         if finite < 1:
             raise ValueError(f"For '{self.owner_name}', with per_token_loss=True the count returned by 'network' must "
-                             "be "
-                             f"a finite number >= 0 (e.g. the number of valid tokens), but a micro-batch returned a "
+                             f"be a finite number >= 0 (e.g. the number of valid tokens), but a micro-batch returned a "
                              f"non-finite count (inf or nan).")
         if smallest < 0:
             raise ValueError(f"For '{self.owner_name}', with per_token_loss=True the count returned by 'network' must "

@@ -164,9 +164,9 @@ def check_loss_output(cls_name: str, per_token_loss: bool, is_tuple: bool, shape
         if not is_tuple or len(shapes) != 2 or not all(single_element(shape) for shape in shapes):
             raise ValueError(
                 f"For '{cls_name}', with per_token_loss=True the argument 'network' must return a tuple (loss_sum, "
-                "count) of two single-element Tensors (e.g. the sum of a masked token loss and the number of valid "
-                "tokens), but "
-                f"it returned {returned}. Return (loss_sum, count), or set per_token_loss=False for a mean loss.")
+                f"count) of two single-element Tensors (e.g. the sum of a masked token loss and the number of valid "
+                f"tokens), but it returned {returned}. Return (loss_sum, count), or set per_token_loss=False for a "
+                f"mean loss.")
     elif is_tuple:
         raise ValueError(
             f"For '{cls_name}', the argument 'network' must return a scalar loss, but it returned {returned}. "
@@ -177,9 +177,8 @@ def check_loss_output(cls_name: str, per_token_loss: bool, is_tuple: bool, shape
         raise ValueError(
             f"For '{cls_name}', the argument 'network' must return a single-element loss (shape () or (1,)), but it "
             f"returned shape {shapes[0]}. Reduce the loss inside the network, e.g. with reduction='mean' in the loss "
-            "function, "
-            f"or return (loss_sum, count) with per_token_loss=True for a loss normalised by a count such as the "
-            f"number of tokens.")
+            f"function, or return (loss_sum, count) with per_token_loss=True for a loss normalised by a count such as "
+            f"the number of tokens.")
 
 
 def split_batch(inputs: tuple, micro_size: int) -> Tuple:

@@ -2,10 +2,9 @@
 
 A loss such as ``nn.CrossEntropyLoss(ignore_index=-100, reduction='mean')`` divides by the number of labels it does not
 ignore (times their class weights), and MindFormers' ``CrossEntropyLoss`` by the number of unmasked tokens.
-Micro-batches
-with different such counts are not weighted by their rows: only ``(loss_sum, count)`` with ``per_token_loss=True``
-divides the whole batch's sum by the whole batch's count (the bug transformers fixed in 4.46 with
-``num_items_in_batch``).
+Micro-batches with different such counts are not weighted by their rows: only ``(loss_sum, count)`` with
+``per_token_loss=True`` divides the whole batch's sum by the whole batch's count (the bug transformers fixed in 4.46
+with ``num_items_in_batch``).
 """
 import contextlib
 import copy

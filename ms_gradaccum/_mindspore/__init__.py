@@ -1,5 +1,6 @@
-"""MindSpore's internals, behind named adapters: the only modules of the package that import a private MindSpore name or
-write a private attribute (``tests/test_mindspore_adapters.py`` checks it).
+"""MindSpore's internals, behind named adapters: the only modules of the package that import a private MindSpore name
+(``tests/test_mindspore.py``'s fence checks it). Elsewhere the package writes plain state of the user's cells in one
+place: the loss contract's eager pass puts back what cells' own ``__call__`` set (``_contract.call_state_kept``).
 
 - :mod:`.version`: the supported versions (checked on import) and what differs between them.
 - :mod:`.routing`: how ``Model`` routes a cell by name; the parallel context.

@@ -2,8 +2,7 @@
 ``uninstall()`` (MindSpore's originals back), installed lazily by the cells that need them.
 
 - :data:`AUTODIFF_ZEROS_LIKE`: autodiff's zero gradients get a ``zeros_like`` of their own, so that custom bprops
-  calling
-  ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside the cells' nested gradient.
+  calling ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside the cells' nested gradient.
 - :data:`GRAPH_COMPILE`: the graph executor's ``compile`` is wrapped, to run hooks around each compile (the loss
   contract's eager pass) and to let the package add context to an error it recognises as its own.
 
@@ -21,6 +20,8 @@ import mindspore as ms
 from mindspore import nn
 from mindspore import ops as _ops
 from mindspore.ops.composite.multitype_ops import zeros_like_impl
+
+from ms_gradaccum._mindspore.surroundings import closure
 
 try:
     from mindspore.graph.api import _cell_graph_executor as CELL_GRAPH_EXECUTOR
@@ -106,11 +107,6 @@ def _function_copy(function):
     return copy
 
 
-def _closure(function) -> dict:
-    return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())
-            if name != "__class__"}
-
-
 def _resolves_to_zeros_like(node, namespace: dict) -> bool:
     """Whether a call's function expression (`zeros_like`, `ops.zeros_like`, `F.zeros_like`) is that function."""
     if isinstance(node, ast.Name):
@@ -142,7 +138,7 @@ def _calls_zeros_like(function, cell) -> bool:
     if code is None:
         return False
     namespace = dict(getattr(function, "__globals__", {}))
-    namespace.update(_closure(function) if getattr(function, "__closure__", None) else {})
+    namespace.update(closure(function) if getattr(function, "__closure__", None) else {})
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError):   # no source: judge by the names the code uses

@@ -76,7 +76,8 @@ def _is_after_grad(function) -> bool:
     return code is not None and _is_after_grad_code(code) and bool(function.__closure__)
 
 
-def _closure(function) -> dict:
+def closure(function) -> dict:
+    """The names a function's closure binds (its free variables), with their values."""
     return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())
             if name != "__class__"}
 
@@ -84,7 +85,7 @@ def _closure(function) -> dict:
 def _unwrap_jit(function):
     """The function a ``mindspore.jit`` wrapper compiles (the `func` in its closure), or `function` itself."""
     if getattr(function, "__wrapped_by_jit__", False) and getattr(function, "__closure__", None):
-        return _closure(function).get("func", function)
+        return closure(function).get("func", function)
     return function
 
 
@@ -103,7 +104,7 @@ def _grad_functions_used_by(function, depth: int = 2) -> list:
     if code is None:
         return []
     used = [getattr(function, "__globals__", {}).get(name) for name in code.co_names]
-    used += list(_closure(function).values())
+    used += list(closure(function).values())
     found = []
     for candidate in map(_unwrap_jit, used):
         if _is_after_grad(candidate):
@@ -125,10 +126,10 @@ def differentiated_weights() -> Optional[list]:
         if code.co_name == "staging_specialize":
             func = frame.f_locals.get("func")
             if _is_after_grad(func):
-                return _weights_of(_closure(func))
+                return _weights_of(closure(func))
             # All the weights of every grad function it uses: accumulating more weights than one of them
             # differentiates costs buffers, never exactness.
-            found = [_weights_of(_closure(grad)) for grad in _grad_functions_used_by(func)]
+            found = [_weights_of(closure(grad)) for grad in _grad_functions_used_by(func)]
             return _distinct(weight for weights in found if weights for weight in weights) or None
         frame = frame.f_back
     return None
