@@ -379,25 +379,43 @@ def _nodes_report(tmp_path, nodes, outputs) -> str:
     return "\n".join(lines)
 
 
+def _teardown_crash_only(tmp_path, nodes) -> bool:
+    """Whether every failed node exited 139 (SIGSEGV) after each of its ranks printed its final line: MindSpore's CPU
+    cluster crashing in its own teardown, after training completed (seen once, with the suite's other worker loading
+    the 2 cores)."""
+    failed = [(index, node) for index, node in enumerate(nodes) if node.returncode != 0]
+    return bool(failed) and all(
+        node.returncode == 139 and all("final loss" in log.read_text(errors="replace")
+                                       for log in (tmp_path / f"node{index}").glob("1/rank.*/stdout"))
+        for index, node in failed)
+
+
 def test_run_sh_two_nodes_of_two_workers_train_one_job(tmp_path):
     require_ranks(4)
-    port, marker = free_port(), uuid.uuid4().hex
     # Five MindSpore processes on this machine's two cores: under load a rank busy compiling can miss heartbeats for
     # more than run.sh's 10 s (MS_NODE_TIMEOUT), and the scheduler would then declare a live node dead. This test is
-    # about one job across nodes, not failure detection (the killed-node test below keeps 10 s).
-    nodes = [_start_node(tmp_path, rank, port, marker, "--epochs", "1", "--max-steps", "6", MS_NODE_TIMEOUT="60")
-             for rank in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, 9)
-    assert all(node.returncode == 0 for node in nodes), _nodes_report(tmp_path, nodes, outputs)
+    # about one job across nodes, not failure detection (the killed-node test below keeps 10 s). A crash in MindSpore's
+    # teardown after every rank finished is retried once, in a fresh folder; anything else fails at once.
+    for attempt in (1, 2):
+        folder = tmp_path / f"attempt{attempt}"
+        port, marker = free_port(), uuid.uuid4().hex
+        nodes = [_start_node(folder, rank, port, marker, "--epochs", "1", "--max-steps", "6", MS_NODE_TIMEOUT="60")
+                 for rank in (0, 1)]
+        try:
+            outputs = [node.communicate(timeout=300)[0] for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    os.killpg(node.pid, 9)
+        if attempt == 1 and _teardown_crash_only(folder, nodes):
+            print(_nodes_report(folder, nodes, outputs)[-3000:])
+            continue
+        break
+    assert all(node.returncode == 0 for node in nodes), _nodes_report(folder, nodes, outputs)
     finals = {}
     for node_rank, ranks in ((0, (0, 1)), (1, (2, 3))):
         for rank in ranks:
-            log = (tmp_path / f"node{node_rank}" / "1" / f"rank.{rank}" / "stdout").read_text()
+            log = (folder / f"node{node_rank}" / "1" / f"rank.{rank}" / "stdout").read_text()
             assert "mode data_parallel, 4 rank(s)" in log and "loss is" in log, log[-2000:]
             finals[rank] = re.search(r"final loss [0-9.]+ test accuracy ([0-9.]+)", log).group(1)
     assert len(set(finals.values())) == 1, finals   # identical weights on all 4 ranks
