@@ -39,12 +39,13 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
+from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.routing import parallel_mode
 from ms_gradaccum._mindspore.surroundings import one_walk
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, check_tensor_inputs,
                                       failure_context, input_kinds, last_layout, partition, plan, plan_inputs,
-                                      shared_input_hint, with_context)
+                                      shared_input_hint)
 from ms_gradaccum._reduce import Unsaved
 from ms_gradaccum._tokens import LabelWatch
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable

@@ -101,9 +101,7 @@ def _loop_context(engine: nn.Cell, inputs: Optional[tuple]) -> Optional[str]:   
 def _contract_context(engine: nn.Cell, inputs: tuple) -> Optional[str]:
     if _microbatch.last_layout() is None:
         return None
-    kinds, _, layout = _microbatch.last_layout()
-    batch = next(shape for shape, (kind, _) in zip(kinds, layout) if kind == _microbatch.SPLIT)[0]
-    rows = sorted({rows for _, rows in plan(batch, engine.micro_size)}, reverse=True)
+    _, _, batch, rows = _microbatch.last_split(engine.micro_size)
     sizes = sorted((r for count, r in plan(batch, engine.micro_size) for _ in range(count)), reverse=True)
     return (f"For '{engine.owner_name}', the error above was raised by the network running on the loss contract's "
             f"check: the first two micro-batches together ({sum(sizes[:2])} rows; micro_size={engine.micro_size} "

@@ -242,14 +242,20 @@ def shared_input_hint(kinds: tuple, names: tuple, layout: tuple) -> str:
             f"shared_inputs=({split[1]},)): every micro-batch then gets it whole.")
 
 
+def last_split(micro_size: int) -> Tuple[list, tuple, int, list]:
+    """``(split inputs as [(index, shape)], names, batch rows, micro-batch rows largest first)`` of the layout
+    :func:`plan_inputs` last planned."""
+    kinds, names, layout = _LAST["layout"]
+    split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == SPLIT]
+    batch = split[0][1][0]
+    return split, names, batch, sorted({rows for _, rows in plan(batch, micro_size)}, reverse=True)
+
+
 def failure_context(cls_name: str, micro_size: int, check_rows: int = 0) -> str:
     """What an error the network raised on a micro-batch (or on the loss contract's check of `check_rows` rows, the
     first two micro-batches together) is about, from the layout :func:`plan_inputs` last planned: the micro-batches'
     rows, and the fixes."""
-    kinds, names, layout = _LAST["layout"]
-    split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == SPLIT]
-    batch = split[0][1][0]
-    rows = sorted({rows for _, rows in plan(batch, micro_size)}, reverse=True)
+    split, names, batch, rows = last_split(micro_size)
     row_text = " and ".join(str(r) for r in rows)
     shown = ", ".join(f"input {i}{f' ({names[i]!r})' if i < len(names) else ''} {tuple(shape)} -> "
                       f"{tuple((row_text,) + tuple(shape[1:]))}".replace("'", "") for i, shape in split)
@@ -260,15 +266,7 @@ def failure_context(cls_name: str, micro_size: int, check_rows: int = 0) -> str:
             f"({shown}). A cell built for a fixed batch size (e.g. a CTC loss or a reshape configured with the batch "
             f"size) must be built for the micro-batch's rows ({row_text}), not the batch's ({batch}); then pass "
             f"check_loss=False, since the loss contract's check runs two micro-batches together."
-            f"{shared_input_hint(kinds, names, layout)}")
-
-
-def with_context(error: Exception, context: str) -> None:
-    """Puts `context` into `error`'s message after its first line (MindSpore's own), ahead of the stack MindSpore
-    appends, where a reader sees it."""
-    if error.args and isinstance(error.args[0], str):
-        head, sep, rest = error.args[0].partition("\n")
-        error.args = (f"{head}\n\n{context}\n{sep}{rest}" if sep else f"{head}\n\n{context}",) + error.args[1:]
+            f"{shared_input_hint(*_LAST['layout'])}")
 
 
 def last_layout():

@@ -194,9 +194,7 @@ class GraphCompile(Patch):
                 for decorate in decorators:
                     context = decorate(error, args)
                     if context is not None and error.args and isinstance(error.args[0], str):
-                        # After MindSpore's first line, ahead of the stacks it appends: where a reader looks.
-                        head, sep, rest = error.args[0].partition("\n")
-                        error.args = (f"{head}\n\n{context}\n{sep}{rest}",) + error.args[1:]
+                        with_context(error, context)
                         break
                 raise
 
@@ -218,6 +216,14 @@ class GraphCompile(Patch):
         """``decorator(error, args)`` returns what to add to a compile error, or None; registered once."""
         if decorator not in self.decorators:
             self.decorators.append(decorator)
+
+
+def with_context(error: Exception, context: str) -> None:
+    """Puts `context` into `error`'s message after its first line (MindSpore's own), ahead of the stack MindSpore
+    appends, where a reader sees it."""
+    if error.args and isinstance(error.args[0], str):
+        head, sep, rest = error.args[0].partition("\n")
+        error.args = (f"{head}\n\n{context}\n{sep}{rest}" if sep else f"{head}\n\n{context}",) + error.args[1:]
 
 
 AUTODIFF_ZEROS_LIKE = AutodiffZerosLike()
