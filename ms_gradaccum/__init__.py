@@ -3,6 +3,10 @@ from ms_gradaccum import _mindspore  # noqa: F401  (first: refuses a MindSpore o
 from ms_gradaccum._cell import GradAccumulationCell as GradAccumulationCell
 from ms_gradaccum._check import EquivalenceReport as EquivalenceReport
 from ms_gradaccum._check import check_equivalence as check_equivalence
+from ms_gradaccum._kinds import LossKind as LossKind
+from ms_gradaccum._kinds import RowMean as RowMean
+from ms_gradaccum._kinds import RowSum as RowSum
+from ms_gradaccum._kinds import TokenMean as TokenMean
 from ms_gradaccum._scheduler import GradAccumulationScheduler as GradAccumulationScheduler
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell as AccumulatingTrainOneStepCell
 from ms_gradaccum._tokens import token_sum_loss as token_sum_loss
@@ -10,4 +14,4 @@ from ms_gradaccum._tokens import token_sum_loss as token_sum_loss
 __version__ = "0.2.0"
 
 __all__ = ["AccumulatingTrainOneStepCell", "EquivalenceReport", "GradAccumulationCell", "GradAccumulationScheduler",
-           "__version__", "check_equivalence", "token_sum_loss"]
+           "LossKind", "RowMean", "RowSum", "TokenMean", "__version__", "check_equivalence", "token_sum_loss"]

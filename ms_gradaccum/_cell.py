@@ -16,6 +16,7 @@ from ms_gradaccum._mindspore.surroundings import discover
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
+from ms_gradaccum._kinds import LossKind
 from ms_gradaccum._spec import LossSpec
 from ms_gradaccum._validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
                                       foreign_optimizer_error, no_trained_weights_error)
@@ -56,20 +57,6 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
             f"bprop.")
 
 
-def loss_rows(per_token_loss: bool, sum_over_rows: bool, count, unit, rows):
-    """The `rows` factor of ``_buffers.normalise``: 1 for a mean or a token mean; for a loss that sums its rows, the
-    rows: ``count * unit`` (a row loss counts its rows in units of `unit`) or `rows` (a token loss)."""
-    if not sum_over_rows:
-        return Tensor(1.0, mstype.float32)
-    if per_token_loss:
-        if isinstance(rows, int):
-            return Tensor(rows, mstype.float32)
-        # A Tensor (a Parameter: AccumulatingTrainOneStepCell's window rows): read, not wrapped in a new Tensor, which
-        # MindSpore 2.7.0 ran into an Assign without a device address ("input_data does not have a valid ptr").
-        return ops.cast(rows, mstype.float32) * 1.0
-    return count * unit
-
-
 class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
     r"""
     Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
@@ -94,10 +81,13 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
         per_token_loss (bool, optional): `network` returns ``(loss_sum, count)``. Default: ``None`` (``False``, and
             token-mean losses are warned about where the update can differ).
         shared_inputs (Union[int, tuple[int]]): Inputs every micro-batch receives whole. Default: ``()``.
-        reduction (str): ``'mean'`` or ``'sum'`` over the rows. Default: ``'mean'``.
-        min_count (float): With `per_token_loss`, the floor of the batch's count. Default: ``0.0``.
+        reduction (str, optional): ``'mean'`` or ``'sum'`` over the rows. Default: ``None`` (``'mean'``).
+        min_count (float, optional): With `per_token_loss`, the floor of the batch's count. Default: ``None`` (0).
         check_loss (bool): Check the loss contract on the first step. Default: ``True``.
         weights (Union[None, list[Parameter], tuple[Parameter]]): The weights to accumulate, each of `network`, once.
+        kind (LossKind, optional): The loss kind as an object (``ms_gradaccum.LossKind``: what a micro-batch tallies,
+            how the sums are normalised), instead of `per_token_loss`, `reduction` and `min_count`; see
+            ``docs/design.md``, "Loss kinds". Default: ``None``.
 
     Outputs:
         Tensor, float32, of the network's loss shape: the full-batch loss (``LossMonitor`` prints it).
@@ -121,27 +111,25 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
     """
 
     def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: Optional[bool] = None,
-                 shared_inputs: tuple = (), reduction: str = "mean", min_count: float = 0.0, check_loss: bool = True,
-                 weights=None):
+                 shared_inputs: tuple = (), reduction: Optional[str] = None, min_count: Optional[float] = None,
+                 check_loss: bool = True, weights=None, kind: Optional[LossKind] = None):
         check_cell(network, "network", _NAME)
         spec = LossSpec.of(_NAME, check_positive_int(micro_size, "micro_size", _NAME), per_token_loss, shared_inputs,
-                           reduction, min_count, check_loss)
+                           reduction, min_count, check_loss, kind)
         check_has_parameters(network, "network", _NAME)
         weights = check_weights(weights, network, _NAME)
         scale = _loss_scale.for_grad_accumulation_cell(loss_scale, self, network, _NAME)
         if parallel_mode() in PARALLEL_PASS_MODES:
-            check_parallel_pass_arguments(loss_scale is not None, spec.per_token_loss, spec.shared_inputs,
-                                          spec.reduction)
+            check_parallel_pass_arguments(loss_scale is not None, spec.kind, spec.shared_inputs)
         warn_where_inexact(network, spec, _NAME, [f"micro_size={spec.micro_size} micro-batches"]
                            if spec.micro_size > 1 else [])
         super().__init__(auto_prefix=False)
         self.network = network
         self.spec = spec
         # Its fields by name, for the graph and for readers (constants: the spec is frozen).
-        self.micro_size, self.per_token_loss, self.declared_per_token_loss = (spec.micro_size, spec.per_token_loss,
-                                                                              spec.declared)
-        self.shared_inputs, self.reduction, self.min_count = spec.shared_inputs, spec.reduction, spec.min_count
-        self.check_loss = spec.check_loss
+        self.micro_size, self.kind, self.shared_inputs = spec.micro_size, spec.kind, spec.shared_inputs
+        self.per_token_loss, self.reduction, self.min_count = spec.per_token_loss, spec.reduction, spec.min_count
+        self.declared_per_token_loss, self.check_loss = spec.declared, spec.check_loss
         self.explicit_loss_scale = loss_scale is not None
         self.loss_scale = scale
         object.__setattr__(self, "_explicit_weights", weights)   # a plain tuple: the weights stay the network's
@@ -151,7 +139,7 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
             self.gradient_buffers.for_weights(list(weights) if weights is not None else network.trainable_params())
         self.engine = MicroBatchGradients(network, spec, overwrite=True, targets=self._targets, cls_name=_NAME,
                                           accumulates=spec.micro_size > 1)
-        self.token_totals = TokenTotals(spec.per_token_loss, _NAME)
+        self.token_totals = TokenTotals(spec.kind, _NAME)
         self.replicas = ReplicaCheck(self._targets, _NAME)
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
@@ -167,8 +155,7 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
         check_loss_inside(self)
         wrapper = discover(self).train_cell
         if self.parallel_pass:
-            check_parallel_pass_arguments(self.explicit_loss_scale, self.per_token_loss, self.shared_inputs,
-                                          self.reduction)
+            check_parallel_pass_arguments(self.explicit_loss_scale, self.kind, self.shared_inputs)
             # _TrainGradAccuStepCell makes accu_grads.<weight> buffers of its own: ours (from an earlier stand-alone
             # graph) would clash by name, and are not used here.
             self.gradient_buffers.for_weights([])
@@ -279,8 +266,7 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
         unit = Tensor(_buffers.unit_of(split[0].shape[0], self.micro_size), mstype.float32)
         value, count, loss_like = self.engine(split, shared, constants, layout, scale, unit, self.targets_key)
         value, count, factor = self.token_totals(value, count)
-        rows = loss_rows(self.per_token_loss, self.reduction == "sum", count, unit, split[0].shape[0])
-        loss, divisor = _buffers.normalise(scale, value, count, factor, self.min_count, rows)
+        loss, divisor = self.kind.normalise(scale, value, count, factor, split[0].shape[0], unit)
         # The hand-over reads the buffers: this data dependency orders it after the micro-batch loop (the loss
         # exists only once the loop is done). Behind stop_gradient (the engine's outputs carry no gradient), or
         # autodiff fails on networks with BatchNorm ("Operator 'k_hole' is invalid").

@@ -82,16 +82,13 @@ def pair_rows(batch: int, micro_size: int) -> int:
     return sizes[0] + sizes[1] if len(sizes) == 2 else 0
 
 
-def routes(kind: str) -> str:
-    """The exact routes, for the message."""
-    current = {"mean": "a mean over the rows it is given (the default)",
-               "sum": "a sum over the rows (reduction='sum')",
-               "token": "(loss_sum, count) with per_token_loss=True"}[kind]
-    return (f"The cell was told the loss is {current}. If the loss is a sum over the rows, or a mean multiplied by the "
-            f"batch size, pass reduction='sum'. If it is normalised by a count taken over the batch (valid tokens, "
-            f"targets, a score sum), return (loss_sum, count) and pass per_token_loss=True (min_count=1.0 for a "
-            f"max(count, 1) floor, and reduction='sum' as well if it is also multiplied by the batch size). If you "
-            f"know the loss is fine here, pass check_loss=False.")
+def routes(kind) -> str:
+    """The exact routes, for the message (`kind`: the loss kind, _kinds)."""
+    return (f"The cell was told the loss is {kind.description}. If the loss is a sum over the rows, or a mean "
+            f"multiplied by the batch size, pass reduction='sum'. If it is normalised by a count taken over the batch "
+            f"(valid tokens, targets, a score sum), return (loss_sum, count) and pass per_token_loss=True "
+            f"(min_count=1.0 for a max(count, 1) floor, and reduction='sum' as well if it is also multiplied by the "
+            f"batch size). If you know the loss is fine here, pass check_loss=False.")
 
 
 class _Refused(Exception):
@@ -102,7 +99,7 @@ class _LeaveToGraph(Exception):
     """An output the graph refuses with its own message, on the micro-batch's shapes."""
 
 
-def _value_and_count(out, cls_name: str, per_token_loss: bool) -> np.ndarray:
+def _value_and_count(out, cls_name: str, returns_count: bool) -> np.ndarray:
     """``[loss, count]`` of an eager forward pass as ScaledLoss tallies them in the graph (float32 sums)."""
     first = out[0] if isinstance(out, (tuple, list)) and out else out
     try:
@@ -111,9 +108,9 @@ def _value_and_count(out, cls_name: str, per_token_loss: bool) -> np.ndarray:
         raise _Refused(error) from None
     try:
         if isinstance(out, (tuple, list)):
-            check_loss_output(cls_name, per_token_loss, True, tuple(item.shape for item in out))
+            check_loss_output(cls_name, returns_count, True, tuple(item.shape for item in out))
         else:
-            check_loss_output(cls_name, per_token_loss, False, (out.shape,))
+            check_loss_output(cls_name, returns_count, False, (out.shape,))
     except ValueError as error:
         raise _LeaveToGraph() from error
     if isinstance(out, (tuple, list)):
@@ -200,18 +197,16 @@ class ContractCheck(PrecisionNeutral):
     first step the owner trains; where it cannot run so, ``construct`` runs the pass on the pair inside the graph and
     compares it with the loop's own losses of the two micro-batches."""
 
-    def __init__(self, scaled_loss: nn.Cell, network: nn.Cell, micro_size: int, per_token_loss: bool,
-                 sum_over_rows: bool, enabled: bool, cls_name: str, labels: Optional[LabelWatch] = None):
+    def __init__(self, scaled_loss: nn.Cell, network: nn.Cell, micro_size: int, kind, enabled: bool, cls_name: str,
+                 labels: Optional[LabelWatch] = None):
         super().__init__(auto_prefix=False)
         # The first step's look at the labels of token-mean losses (_tokens), taken during the same eager pass.
         self.labels = labels
         object.__setattr__(self, "_scaled_loss", scaled_loss)   # the engine's own cell: not a second child
         self.micro_size = micro_size
-        self.per_token_loss = per_token_loss
-        self.sum_over_rows = sum_over_rows
+        self.kind = kind
         self.enabled = enabled
         self.owner_name = cls_name
-        self.kind = "token" if per_token_loss else ("sum" if sum_over_rows else "mean")
         self.rtol = RTOL_FLOAT16 if computes_in_float16(network) else RTOL
         noise = batch_norm_cells(network) + random_cells(network)
         self.noisy = bool(noise)
@@ -279,9 +274,10 @@ class ContractCheck(PrecisionNeutral):
                 else [(0, sizes[0])]
             watch = self.labels.watching(spans[0][1], split) if self.labels is not None else contextlib.nullcontext()
             self.split_hint = shared_input_hint(*last_layout())
-            outputs = run_eagerly(network, [assemble(tuple(x[start:stop] for x in split), shared, constants, layout)
-                                            for start, stop in spans], around_first=watch)   # labels: the first pass
-            losses = [_value_and_count(out, self.owner_name, self.per_token_loss) for out in outputs]
+            passes = [assemble(tuple(x[start:stop] for x in split), shared, constants, layout) for start, stop in spans]
+            outputs = run_eagerly(network, passes, around_first=watch)   # labels: the first pass
+            losses = [(_value_and_count(out, self.owner_name, self.kind.returns_count), inputs, stop - start)
+                      for out, inputs, (start, stop) in zip(outputs, passes, spans)]
         except _Refused as refused:
             raise refused.args[0] from None
         except Exception as error:  # pylint: disable=broad-except
@@ -305,18 +301,16 @@ class ContractCheck(PrecisionNeutral):
         found = self._eager_losses(engine, inputs, pair=True)
         if found is None:
             return
-        (together, first, second), sizes = found
-        # The first two micro-batches' tallies as the loop keeps them (_engine: MicroBatchGradients._tally), counted in
-        # rows: the loop's unit (the rows of the largest micro-batch) cancels in every comparison.
-        if self.per_token_loss:
-            pair_value, pair_count = first[0] + second[0], first[1] + second[1]
-        elif self.sum_over_rows:
-            pair_value, pair_count = first[0] + second[0], sizes[0] + sizes[1]
-        else:
-            pair_value, pair_count = first[0] * sizes[0] + second[0] * sizes[1], sizes[0] + sizes[1]
+        passes, sizes = found
+        rows = sizes[0] + sizes[1]
+        # The pair together, and the first two micro-batches' tallies summed as the loop sums them (_engine), counted
+        # in rows (a unit of 1: the loop's unit cancels in every comparison).
         with eager_mode():
-            self._compare(Tensor(together[0]), Tensor(together[1]), Tensor(np.float32(pair_value)),
-                          Tensor(np.float32(pair_count)), Tensor(np.float32(1.0)), sizes[0] + sizes[1])
+            unit = Tensor(np.float32(1.0))
+            tallies = [self.kind.tally(Tensor(loss[0]), Tensor(loss[1]), part_rows, unit, inputs)[1:]
+                       for loss, inputs, part_rows in passes]
+            (value, count), first, second = tallies
+            self._compare(value, count, first[0] + second[0], first[1] + second[1], unit, rows)
         self.passed = True
         self.checked.set_data(Tensor(True))
 
@@ -329,15 +323,12 @@ class ContractCheck(PrecisionNeutral):
     def _compare(self, value, count, pair_value, pair_count, unit, rows):
         """Raises where the network's `value` and `count` on the pair's `rows` together do not match its tallies of the
         two micro-batches, `pair_value` and `pair_count` (eagerly, and in the graph where it runs the pass)."""
-        if self.per_token_loss:
-            measured, predicted = value / count, pair_value / pair_count
-            bad = ops.logical_or(self._mismatch(value, pair_value), self._mismatch(count, pair_count))
-        elif self.sum_over_rows:
-            measured, predicted = value, pair_value * unit
-            bad = self._mismatch(measured, predicted)
-        else:
-            measured, predicted = value, pair_value / pair_count
-            bad = self._mismatch(measured, predicted)
+        measured = self.kind.compared(value, count, rows, unit)
+        predicted = self.kind.compared(pair_value, pair_count, rows, unit)
+        bad = self._mismatch(measured[0], predicted[0])
+        for one, other in zip(measured[1:], predicted[1:]):
+            bad = ops.logical_or(bad, self._mismatch(one, other))
+        measured, predicted = measured[0], predicted[0]
         if bad:
             ratio = readable(measured / predicted)
             measured, predicted = readable(measured), readable(predicted)
@@ -361,7 +352,8 @@ class ContractCheck(PrecisionNeutral):
                     pair = ()
                     for x in split:
                         pair += (x[:rows],)
-                    out = self.scaled_loss(assemble(pair, shared, constants, layout), Tensor(1.0, mstype.float32))
+                    out = self.scaled_loss(assemble(pair, shared, constants, layout), Tensor(1.0, mstype.float32), rows,
+                                           unit)
                     self._compare(out[1], out[2], pair_value, pair_count, unit, rows)
                     after = ops.depend(after, ops.assign(checked, Tensor(True)))
         return after

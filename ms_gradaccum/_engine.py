@@ -7,12 +7,11 @@ its place (`layout`); each runs forward and backward once on its loss times ``sc
 gradients are added, as the backward pass produces them, into the buffers of the weights the owner trains
 (:meth:`targets`, resolved when the graph compiles). Every micro-batch goes through the same loop body, so the graph
 holds one copy of the network's forward and backward per micro-batch shape: one for a batch ``micro_size`` divides,
-two for any other. ``value`` and ``count`` are the batch's loss value and count
-as ``_buffers`` defines them (a mean loss counts rows in units of `unit`; a ``(loss_sum, count)`` network its
-count). The owner divides the buffers by ``_buffers.divisor`` and the value by the count. ``value`` and ``count``
-are float32 scalars; ``loss_like`` is zeros of the shape of the network's loss (``()`` or ``(1,)``: MindFormers' models
-return ``(1,)``), so that the owner returns its loss in that shape, as MindSpore's train cells do. `key` names the
-trained weights, so that PyNative mode compiles again when they change.
+two for any other. The loss kind (_kinds) gives each micro-batch's weight, value and count (`unit`: the count
+unit); ``value`` and ``count`` are their float32 sums over the batch, which the owner normalises with the kind.
+``loss_like`` is zeros of the shape of the network's loss (``()`` or ``(1,)``: MindFormers' models return ``(1,)``),
+so that the owner returns its loss in that shape, as MindSpore's train cells do. `key` names the trained weights, so
+that PyNative mode compiles again when they change.
 """
 from typing import Callable
 
@@ -74,23 +73,25 @@ def recorded_loss_shape(holder: LossShape, after: tuple) -> tuple:
 
 
 class ScaledLoss(PrecisionNeutral):
-    """``(loss * factor, loss, count)`` in float32 scalars: only the first carries a gradient, so differentiating this
-    cell runs the backward pass on the loss times `factor` (the loss scale times the micro-batch's weight). The loss's
-    own shape (``()`` or ``(1,)``) is recorded in :attr:`loss_shape` when the graph compiles.
+    """``(loss * scale * weight, value, count)`` of one micro-batch in float32 scalars, `weight`, `value` and `count`
+    as its loss kind tallies them (_kinds): only the first carries a gradient, so differentiating this cell runs the
+    backward pass on the loss times the scale and the micro-batch's weight. The loss's own shape (``()`` or ``(1,)``)
+    is recorded in :attr:`loss_shape` when the graph compiles.
 
     The product is taken in float32, so a float16 loss times a large scale cannot overflow in the forward value; the
-    backward then starts from `factor` in the loss's own dtype, as ``nn.TrainOneStepCell``'s ``sens`` does. With
-    ``factor == 1`` the gradients are bit-identical to unscaled ones. A mean loss has count 1.
+    backward then starts from the factor in the loss's own dtype, as ``nn.TrainOneStepCell``'s ``sens`` does. With a
+    factor of 1 the gradients are bit-identical to unscaled ones.
     """
 
-    def __init__(self, network: nn.Cell, per_token_loss: bool, cls_name: str):
+    def __init__(self, network: nn.Cell, kind, cls_name: str):
         super().__init__(auto_prefix=False)
         self.loss_of_inputs = TupleInputs(network)
-        self.per_token_loss = per_token_loss
+        self.kind = kind
+        self.returns_count = kind.returns_count
         self.owner_name = cls_name
         self.loss_shape = LossShape()
 
-    def construct(self, inputs, factor):
+    def construct(self, inputs, scale, rows, unit):
         out = self.loss_of_inputs(inputs)
         # Sums over all elements, not reshapes: exact for the single element the check requires, and no shape error
         # of MindSpore's can come before the check's message (nothing orders a reshape after it in the graph).
@@ -98,19 +99,22 @@ class ScaledLoss(PrecisionNeutral):
             shapes = ()
             for item in out:
                 shapes += (item.shape,)
-            check_loss_output(self.owner_name, self.per_token_loss, True, shapes)
+            check_loss_output(self.owner_name, self.returns_count, True, shapes)
             check_loss_dtype(self.owner_name, (out[0].dtype,))
             loss = ops.cast(out[0], mstype.float32)
             count = ops.cast(out[1], mstype.float32).sum() if len(out) > 1 else Tensor(1.0, mstype.float32)
         else:
-            check_loss_output(self.owner_name, self.per_token_loss, False, (out.shape,))
+            check_loss_output(self.owner_name, self.returns_count, False, (out.shape,))
             check_loss_dtype(self.owner_name, (out.dtype,))
             loss = ops.cast(out, mstype.float32)
             count = Tensor(1.0, mstype.float32)
         # A single-element loss of shape (1,) is tallied as a scalar; its shape goes back to the owner (loss_like).
         scalar = loss.sum()
         scalar = ops.depend(scalar, record_loss_shape(self.loss_shape, loss.shape))
-        return scalar * factor, ops.stop_gradient(scalar), ops.stop_gradient(count)
+        weight, value, count = self.kind.tally(ops.stop_gradient(scalar), ops.stop_gradient(count), rows, unit,
+                                               inputs)
+        factor = ops.stop_gradient(scale * weight)
+        return scalar * factor, ops.stop_gradient(value), ops.stop_gradient(count)
 
 
 def _unpack(packed):
@@ -125,7 +129,7 @@ class MicroBatchGradients(PrecisionNeutral):
 
     Args:
         network (Cell): The loss network.
-        spec (LossSpec): What the owner was told about the loss (_spec).
+        spec (LossSpec): What the owner was told about the loss (_spec), its kind among it.
         overwrite (bool): Whether the first micro-batch overwrites the buffers (a fresh sum per batch) instead of
             adding to what they hold (a sum over a window of batches).
         targets (Callable): Returns ``(weights, buffers)``, the ParameterTuples of the trained weights and their
@@ -148,16 +152,15 @@ class MicroBatchGradients(PrecisionNeutral):
         GRAPH_COMPILE.around(_contract.around_compile)
         GRAPH_COMPILE.decorate_errors(_errors.micro_batch_context)
         GRAPH_COMPILE.install()
-        micro_size, per_token_loss = spec.micro_size, spec.per_token_loss
-        self.sum_over_rows = spec.sum_over_rows
-        self.scaled_loss = ScaledLoss(network, per_token_loss, cls_name)
+        micro_size = spec.micro_size
+        self.scaled_loss = ScaledLoss(network, spec.kind, cls_name)
         labels = LabelWatch(network, cls_name, spec.declared or not accumulates)
-        self.contract = ContractCheck(self.scaled_loss, network, micro_size, per_token_loss, spec.sum_over_rows,
+        self.contract = ContractCheck(self.scaled_loss, network, micro_size, spec.kind,
                                       spec.check_loss and micro_size > 1, cls_name, labels)
         self.micro_size = micro_size
         self.shared_inputs = spec.shared_inputs
         self.input_names = input_names(network)
-        self.per_token_loss = per_token_loss
+        self.checks_counts = spec.kind.checks_counts
         self.overwrite = overwrite
         self.owner_name = cls_name
         object.__setattr__(self, "_targets", targets)   # a bound method of the owner, not a child cell
@@ -182,8 +185,8 @@ class MicroBatchGradients(PrecisionNeutral):
         _errors.note_engine(self)
         return self._targets()[1]
 
-    def _value_and_grads(self, micro, factor):
-        return ms.value_and_grad(self.scaled_loss, None, self.weights)(micro, factor)
+    def _value_and_grads(self, micro, scale, rows, unit):
+        return ms.value_and_grad(self.scaled_loss, None, self.weights)(micro, scale, rows, unit)
 
     @staticmethod
     def _micro_inputs(split, i, others):
@@ -191,24 +194,22 @@ class MicroBatchGradients(PrecisionNeutral):
         shared, constants, layout = others
         return assemble(micro_batch(split, i), shared, constants, layout)
 
-    def _tally(self, out, weight, value_weight, totals, index):
-        """Adds one micro-batch's value and count, tracks the smallest and any non-finite count (checked for token
-        losses), and keeps the tallies after micro-batch `index` 1 (the first two; the loss contract's check reads
-        them). The same tallies for both loss kinds, all float32 (`finite` is 1.0 or 0.0): a bool Tensor carried by a
-        graph-mode while loop compiles slower (docs/measurements.md)."""
+    def _tally(self, out, totals, index):
+        """Adds one micro-batch's value and count, tracks the smallest and any non-finite count (where the kind checks
+        its counts), and keeps the tallies after micro-batch `index` 1 (the first two; the loss contract's check reads
+        them). All float32 (`finite` is 1.0 or 0.0): a bool Tensor carried by a graph-mode while loop compiles slower
+        (docs/measurements.md)."""
         value, count, smallest, finite, pair_value, pair_count = totals
-        if self.per_token_loss:
-            value, count = value + out[1], count + out[2]
+        value, count = value + out[1], count + out[2]
+        if self.checks_counts:
             smallest = ops.minimum(smallest, out[2])
             finite = ops.minimum(finite, ops.cast(ops.isfinite(out[2]), mstype.float32))
-        else:
-            value, count = value + out[1] * value_weight, count + weight
         # The first two micro-batches' tallies, for the loss contract's check (see _contract).
         second = index == 1
         return (value, count, smallest, finite, ops.select(second, value, pair_value),
                 ops.select(second, count, pair_count))
 
-    def _accumulate(self, split, others, stop, totals, factor, weight, value_weight, offset):
+    def _accumulate(self, split, others, stop, totals, scale, rows, unit, offset):
         # A graph-mode while loop over a Tensor counter is compiled once, whatever the count is, and runs the
         # micro-batches strictly in turn, so micro-batch i's activations are freed before i + 1 starts.
         # The tallies travel through the loop as one float32 vector: as separate scalars the allocator fragments
@@ -216,8 +217,8 @@ class MicroBatchGradients(PrecisionNeutral):
         i = Tensor(0, mstype.int32)
         packed = ops.stack(totals)
         while i < stop:
-            out, grads = self._value_and_grads(self._micro_inputs(split, i, others), factor)
-            totals = self._tally(out, weight, value_weight, _unpack(packed), i + offset)
+            out, grads = self._value_and_grads(self._micro_inputs(split, i, others), scale, rows, unit)
+            totals = self._tally(out, _unpack(packed), i + offset)
             value = add_gradients(self.buffers, grads, after=totals[0])
             packed = ops.stack((value,) + totals[1:])
             i = i + 1
@@ -230,8 +231,7 @@ class MicroBatchGradients(PrecisionNeutral):
                              f"non-finite count (inf or nan).")
         if smallest < 0:
             raise ValueError(f"For '{self.owner_name}', with per_token_loss=True the count returned by 'network' must "
-                             "be "
-                             f"a finite number >= 0 (e.g. the number of valid tokens), but a micro-batch returned "
+                             f"be a finite number >= 0 (e.g. the number of valid tokens), but a micro-batch returned "
                              f"{readable(smallest)}.")
         return smallest
 
@@ -246,18 +246,13 @@ class MicroBatchGradients(PrecisionNeutral):
             # A fresh sum per batch: the buffers are cleared once, before the loop, so that every micro-batch goes
             # through the same loop body (one copy of the network in the graph) and adds its gradient.
             totals = (ops.depend(zero, clear(self.buffers, zero)),) + totals[1:]
-        weight = Tensor(1.0, mstype.float32)
         offset = 0
         for split, count, rows in split_batch(inputs, self.micro_size):
             # One loop per micro-batch shape: a batch micro_size divides has one, any other two (sizes differ by 1).
-            weight = weight if self.per_token_loss else rows / unit
-            # A loss that sums its rows counts in row units like a mean, but is tallied and differentiated per row
-            # unit (loss / unit): the owner multiplies by the rows (count * unit), see _buffers.normalise.
-            value_weight = 1.0 / unit if self.sum_over_rows and not self.per_token_loss else weight
-            totals = self._accumulate(split, others, count, totals, scale * value_weight, weight, value_weight, offset)
+            totals = self._accumulate(split, others, count, totals, scale, rows, unit, offset)
             offset += count
         value, count_total, smallest, finite, pair_value, pair_count = totals
-        if self.per_token_loss:
+        if self.checks_counts:
             value = ops.depend(value, self._check_counts(smallest, finite))
         value = self.contract(inputs, others, pair_value, pair_count, unit, value)
         loss_like = ops.zeros(recorded_loss_shape(self.scaled_loss.loss_shape, value.shape), mstype.float32)

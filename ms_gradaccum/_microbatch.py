@@ -154,13 +154,13 @@ def single_element(shape: tuple) -> bool:
 
 
 @primexpr
-def check_loss_output(cls_name: str, per_token_loss: bool, is_tuple: bool, shapes: tuple) -> None:
-    """The network's output must be what `per_token_loss` says: a single-element loss (shape ``()`` or ``(1,)``, as
-    MindFormers' models return it), or a tuple (loss_sum, count) of two such. `shapes` holds the shape of each output
-    (one for a single Tensor)."""
+def check_loss_output(cls_name: str, returns_count: bool, is_tuple: bool, shapes: tuple) -> None:
+    """The network's output must be what its loss kind says (`returns_count`, e.g. ``per_token_loss=True``): a
+    single-element loss (shape ``()`` or ``(1,)``, as MindFormers' models return it), or a tuple (loss_sum, count) of
+    two such. `shapes` holds the shape of each output (one for a single Tensor)."""
     returned = (f"a tuple of {len(shapes)} element(s) with shapes {shapes}" if is_tuple
                 else f"a single Tensor of shape {shapes[0]}")
-    if per_token_loss:
+    if returns_count:
         if not is_tuple or len(shapes) != 2 or not all(single_element(shape) for shape in shapes):
             raise ValueError(
                 f"For '{cls_name}', with per_token_loss=True the argument 'network' must return a tuple (loss_sum, "

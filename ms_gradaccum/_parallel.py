@@ -21,23 +21,19 @@ from ms_gradaccum._microbatch import input_kinds
 _NAME = "GradAccumulationCell"
 
 
-def check_parallel_pass_arguments(explicit_loss_scale: bool, per_token_loss: bool, shared_inputs: tuple = (),
-                                  reduction: str = "mean") -> None:
-    """What the parallel pass cannot do: a token loss, a loss scale of the cell's own, inputs it does not slice, a
-    loss that sums its rows."""
-    if reduction != "mean":
+def check_parallel_pass_arguments(explicit_loss_scale: bool, kind, shared_inputs: tuple = ()) -> None:
+    """What the parallel pass cannot do: a loss kind other than a row mean (a token loss, a loss that sums its rows), a
+    loss scale of the cell's own, inputs it does not slice."""
+    if not kind.in_parallel_pass:
         raise ValueError(
-            f"For '{_NAME}', reduction={reduction!r} is not supported under semi-auto/auto parallel, where MindSpore's "
-            f"parallel pass averages the micro-batch losses. Return the mean loss, or train data parallel.")
+            f"For '{_NAME}', {kind.setting} is not supported under semi-auto/auto parallel, where MindSpore's "
+            f"parallel pass averages the micro-batch losses (a mean over rows). Return the mean loss, or train data "
+            f"parallel.")
     if shared_inputs:
         raise ValueError(
             f"For '{_NAME}', shared_inputs={shared_inputs} is not supported under semi-auto/auto parallel, where "
             f"MindSpore's parallel pass slices every input along axis 0. Give those inputs one row per sample, or "
             f"train data parallel.")
-    if per_token_loss:
-        raise ValueError(
-            f"For '{_NAME}', per_token_loss=True is not supported under semi-auto/auto parallel, where MindSpore's "
-            f"parallel pass accumulates a scalar loss. Return the mean loss, or train data parallel.")
     if explicit_loss_scale:
         raise ValueError(
             f"For '{_NAME}', the argument 'loss_scale' must be None under semi-auto/auto parallel, where the loss "

@@ -38,23 +38,24 @@ def check_data_parallel_ready(cls_name: str) -> None:
 
 
 class TokenTotals(PrecisionNeutral):
-    """``(global value, global count, gradient factor)`` from this device's sums, for token losses.
+    """``(global value, global count, gradient factor)`` from this device's sums, for loss kinds whose count is taken
+    over the batch (``sums_across_ranks``: token losses).
 
     The factor is the device count when the wrapping reducer averages gradients over devices (``gradients_mean``)
     and 1 otherwise, so that ``factor * local_gradient_sum / global_count``, reduced by the wrapper, equals the
-    global batch's ``sum(gradients) / sum(count)``. Stand-alone, and for mean losses (whose per-device mean the
+    global batch's ``sum(gradients) / sum(count)``. Stand-alone, and for row losses (whose per-device mean the
     reducer averages, as in plain data-parallel training), everything passes through.
     """
 
-    def __init__(self, per_token_loss: bool, cls_name: str):
+    def __init__(self, kind, cls_name: str):
         super().__init__(auto_prefix=False)
-        self.per_token_loss = per_token_loss
+        self.sums_across_ranks = kind.sums_across_ranks
         self.owner_name = cls_name
         self.all_reduce = ops.AllReduce()
 
     @compile_time
     def reduced(self) -> bool:
-        return self.per_token_loss and data_parallel()
+        return self.sums_across_ranks and data_parallel()
 
     @compile_time
     def factor(self) -> float:

@@ -3,22 +3,23 @@
 from typing import Optional
 
 import mindspore as ms
-from mindspore import nn, ops, Tensor
+from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
-from ms_gradaccum._cell import GradAccumulationCell, loss_rows
+from ms_gradaccum._cell import GradAccumulationCell
 from ms_gradaccum._contract import PreparedCalls
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
-from ms_gradaccum._mindspore.graph import CompileChecks, run_compile_checks
+from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES, parallel_mode
 from ms_gradaccum._mindspore.surroundings import discover
 from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
+from ms_gradaccum._kinds import LossKind
 from ms_gradaccum._spec import LossSpec
 from ms_gradaccum._validation import (argument_error, check_cell, check_has_parameters, check_positive_int,
                                       foreign_optimizer_error)
-from ms_gradaccum._window import Window
+from ms_gradaccum._window import StateUnderOptimizer, Window
 
 
 _NAME = "AccumulatingTrainOneStepCell"
@@ -41,7 +42,7 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         network (Cell): A loss network (or a :class:`GradAccumulationCell`, whose settings are taken over).
         optimizer (nn.Optimizer): The optimizer for the network's weights.
         accumulate_steps (int): Calls per optimizer step (:meth:`set_accumulate_steps` changes it, no recompiling).
-        micro_size, per_token_loss, shared_inputs, reduction, min_count, check_loss: As for
+        micro_size, per_token_loss, shared_inputs, reduction, min_count, check_loss, kind: As for
             :class:`GradAccumulationCell` (keyword only).
         steps_per_epoch (int, optional): Batches per epoch, to close each epoch's last window.
         scale_sense (Union[None, float, Tensor, Cell]): The loss scale, or an ``nn.DynamicLossScaleUpdateCell`` /
@@ -70,26 +71,32 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         (False, 0)
     """
 
-    # For subclasses that adapt another trainer (ms_gradaccum.mindformers): the prefix of the buffers' names, which
-    # checkpoints carry, and the loss-scale update cells `scale_sense` may be (same protocol: get_loss_scale(), and
-    # construct(scale, overflow) -> overflow).
+    # --- The extension point for adapters (docs/design.md, "Writing an adapter"). A subclass sets these class
+    # attributes and overrides only the public hooks below: transform_gradients, after_optimizer_step (and construct,
+    # calling accumulate, when its outputs differ).
+    #: The prefix of the buffers' names (checkpoints carry them).
     buffer_prefix = _buffers.GRAD_PREFIX
+    #: The loss-scale update cells `scale_sense` may be (protocol: ``get_loss_scale()``, ``construct(scale, overflow)
+    #: -> overflow``).
     scale_update_cells = _loss_scale.SCALE_MANAGERS
-    # Whether an overflowing window's step is skipped (mindone's drop_overflow_update=False applies it anyway).
+    #: Whether an overflowing window's step is skipped (mindone's ``drop_overflow_update=False`` applies it anyway).
     skips_overflow = True
+    #: Whether the window's state (:meth:`state`) is registered under the optimizer too, for trainers whose resume
+    #: loads a checkpoint into the model and the optimizer only (MindFormers, mindone).
+    state_under_optimizer = False
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int, *,
                  micro_size: Optional[int] = None, per_token_loss: Optional[bool] = None,
                  shared_inputs: Optional[tuple] = None, steps_per_epoch: Optional[int] = None, scale_sense=None,
                  max_grad_norm: Optional[float] = None, reduction: Optional[str] = None,
-                 min_count: Optional[float] = None, check_loss: Optional[bool] = None):
+                 min_count: Optional[float] = None, check_loss: Optional[bool] = None, kind: Optional[LossKind] = None):
         check_cell(network, "network", _NAME)
         if not isinstance(optimizer, nn.Optimizer):
             raise TypeError(argument_error(_NAME, "optimizer", "a mindspore.nn.Optimizer", optimizer))
         accumulate_steps = check_positive_int(accumulate_steps, "accumulate_steps", _NAME)
         loss_network, spec = _loss_network(network, dict(micro_size=micro_size, per_token_loss=per_token_loss,
                                                          shared_inputs=shared_inputs, reduction=reduction,
-                                                         min_count=min_count, check_loss=check_loss))
+                                                         min_count=min_count, check_loss=check_loss, kind=kind))
         if steps_per_epoch is not None:
             steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
         max_grad_norm = _loss_scale.check_max_grad_norm(max_grad_norm, _NAME)
@@ -108,8 +115,8 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
                 f"{optimizer.loss_scale}. Create the optimizer without loss_scale.")
         super().__init__(network, optimizer)
         self.spec = spec
-        self.micro_size, self.per_token_loss, self.reduction = spec.micro_size, spec.per_token_loss, spec.reduction
-        self.min_count, self.shared_inputs = spec.min_count, spec.shared_inputs
+        self.micro_size, self.kind, self.shared_inputs = spec.micro_size, spec.kind, spec.shared_inputs
+        self.per_token_loss, self.reduction, self.min_count = spec.per_token_loss, spec.reduction, spec.min_count
         self.loss_scale = scale
         self.loss_scaled = scale_sense is not None
         self.loss_scaling_manager = manager
@@ -123,7 +130,7 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
         self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, targets=self._targets, cls_name=_NAME,
                                           accumulates=bool(splits))
-        self.token_totals = TokenTotals(spec.per_token_loss, _NAME)
+        self.token_totals = TokenTotals(spec.kind, _NAME)
         self.replicas = ReplicaCheck(self._targets, _NAME)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).
         # AdaSum optimizers keep MindSpore's reducer (their own group and degree).
@@ -137,10 +144,48 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         self.clip = max_grad_norm is not None
         self.max_grad_norm = max_grad_norm
         self.compile_checks = CompileChecks(self)
+        object.__setattr__(self, "_kept_state", [])
+        if self.state_under_optimizer:
+            optimizer.insert_child_to_cell("grad_accumulation_state", StateUnderOptimizer(self.state()))
 
     def state(self) -> list:
-        """The Parameters of the window's state: its buffers, the window (``accu_state.*``) and the loss scale."""
-        return list(self.grad_sums) + self.window.state_parameters() + ([self.scale_sense] if self.loss_scaled else [])
+        """The Parameters of the window's state: its buffers, the window (``accu_state.*``), the loss scale, and what a
+        subclass keeps with :meth:`keep_state`."""
+        return list(self.grad_sums) + self.window.state_parameters() + \
+            ([self.scale_sense] if self.loss_scaled else []) + list(self._kept_state)
+
+    def keep_state(self, name: str, parameter: Parameter) -> None:
+        """For subclasses: keeps `parameter` (state of a hook, e.g. the last global norm) as the attribute `name`, in
+        checkpoints and in :meth:`state` (so under the optimizer too, with ``state_under_optimizer``)."""
+        setattr(self, name, parameter)
+        self._kept_state.append(parameter)
+        if self.state_under_optimizer:
+            self.optimizer.grad_accumulation_state.insert_param_to_cell(parameter.name, parameter,
+                                                                        check_name_contain_dot=False)
+
+    # --- hooks --------------------------------------------------------------------------------------------------
+
+    def transform_gradients(self, grads):
+        """Hook, once per optimizer step (in the graph): the window's mean gradient `grads` (one float32-or-weight-dtype
+        Tensor per weight, reduced across devices, finite unless the step is skipped anyway) to ``(gradients for the
+        optimizer, step)``, `step` being ``True`` or a bool scalar Tensor (``False`` skips this step, e.g. a spike in
+        the norm). Default: clipped to the global norm `max_grad_norm` when it is set. A subclass that overrides it
+        also sets :attr:`transforms_gradients` when its transform may leave the gradients as they are."""
+        if self.clip:
+            return ops.clip_by_global_norm(grads, self.max_grad_norm), True
+        return grads, True
+
+    @compile_time
+    def transforms_gradients(self) -> bool:
+        """Whether :meth:`transform_gradients` changes the gradients (read when the graph compiles). When it does not,
+        the optimizer reads the buffers themselves, which saves a copy of the gradient under data parallel. Default:
+        `max_grad_norm` is set, or a subclass overrides the hook."""
+        return self.clip or type(self).transform_gradients is not AccumulatingTrainOneStepCell.transform_gradients
+
+    def after_optimizer_step(self, stepped):
+        """Hook, after each optimizer step that ran (in the graph): work on the updated weights, e.g. an EMA. Returns
+        `stepped` (a scalar that exists once the step is done) made to depend on that work. Default: nothing."""
+        return stepped
 
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see
@@ -165,25 +210,25 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         return self.weights, self.grad_sums
 
     def construct(self, *inputs):
-        loss, overflow, scale = self._train_step(*inputs)
+        loss, overflow, scale = self.accumulate(*inputs)
         if self.loss_scaled:
             return loss, overflow, scale
         return ops.depend(loss, overflow)
 
-    def _train_step(self, *inputs):
-        """One call: ``(the batch's loss, whether the window closed here overflowed, the loss scale)``."""
+    def accumulate(self, *inputs):
+        """One call's work, in the graph: ``(the batch's loss, whether the window this call closed overflowed, the loss
+        scale)``. :meth:`construct` returns them; a subclass whose trainer reads other outputs overrides ``construct``
+        and calls this."""
         run_compile_checks(self.compile_checks)
         # Under data parallel, the first step first checks that every rank holds the same weights.
         scale = self.replicas(self.loss_scale())
         split, shared, constants, layout = self.engine.split_inputs(inputs)
-        unit = Tensor(1.0, mstype.float32)   # a token loss counts its own count
-        if not self.per_token_loss:
-            unit = self.window.unit(Tensor(_buffers.unit_of(split[0].shape[0], self.micro_size), mstype.float32))
+        # The count unit of the window (its first batch's largest micro-batch: _kinds).
+        unit = self.window.unit(Tensor(_buffers.unit_of(split[0].shape[0], self.micro_size), mstype.float32))
         value, count, loss_like = self.engine(split, shared, constants, layout, scale, unit, "")
-        # What is returned per call: the batch's loss (its mean, token mean, or sum as its reduction says).
+        # What is returned per call: the batch's loss, normalised as its kind says.
         rows = Tensor(split[0].shape[0], mstype.float32)
-        batch_loss = _buffers.normalise(scale, value, count, 1.0, self.min_count,
-                                        loss_rows(self.per_token_loss, self.reduction == "sum", count, unit, rows))[0]
+        batch_loss = self.kind.normalise(scale, value, count, 1.0, rows, unit)[0]
         batch_loss = self.window.record(batch_loss, value, count, rows)
         overflow = Tensor(False, mstype.bool_)
         if self.window.closes():
@@ -202,9 +247,8 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         """
         window = self.window
         value, count, factor = self.token_totals(window.loss_sum, window.count)
-        empty = ops.maximum(count, self.min_count) <= 0
-        rows = loss_rows(self.per_token_loss, self.reduction == "sum", count, window.count_unit * 1.0, window.rows)
-        window_loss, divisor = _buffers.normalise(scale, value, count, factor, self.min_count, rows)
+        empty = self.kind.empty(count)
+        window_loss, divisor = self.kind.normalise(scale, value, count, factor, window.rows, window.count_unit * 1.0)
         if self.reduce_in_place:
             # Summed across devices in the buffers, one after another, then divided in place (times the device count
             # when the reducer averages): no gradient-sized tensor per weight.
@@ -229,20 +273,21 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         return ops.depend(overflow, window.reset(done, window_loss))
 
     def _step(self, mean):
-        """Clipping (if set) and the optimizer, on the window's mean gradient (the buffers, divided in place)."""
-        if self.clip:
-            return self._optimize(ops.clip_by_global_norm(mean, self.max_grad_norm), False)
-        return self._optimize(mean, True)
-
-    def _optimize(self, grads, are_buffers: bool):
-        """The optimizer on `grads`; `are_buffers` says they are the buffers themselves (a constant)."""
-        if are_buffers and self.reduce_in_place and self.buffers_match_weights:
-            # The optimizer reads the buffers themselves, each right before its update. Handing it `grads` would
-            # read them all at one point before the first update, and MindSpore copies every read of a Parameter
-            # that is read more than once in a graph (TensorMove; here the all-reduce reads them too): all the
-            # copies alive at once (docs/measurements.md).
-            return self.optimizer(self.grad_sums)
-        return self.optimizer(_buffers.cast_like(self.hyper_map, grads, self.weights))
+        """The hooks and the optimizer, on the window's mean gradient (the buffers, divided in place)."""
+        stepped = ops.zeros((), mstype.int32)
+        if not self.transforms_gradients:
+            # The optimizer reads the buffers themselves, each right before its update, where that saves memory.
+            # Handing it `mean` would read them all at one point before the first update, and MindSpore copies every
+            # read of a Parameter that is read more than once in a graph (TensorMove; under data parallel the
+            # all-reduce reads them too): all the copies alive at once (docs/measurements.md).
+            read_in_place = self.reduce_in_place and self.buffers_match_weights
+            grads = self.grad_sums if read_in_place else _buffers.cast_like(self.hyper_map, mean, self.weights)
+            return self.after_optimizer_step(ops.depend(stepped, self.optimizer(grads)))
+        grads, step = self.transform_gradients(mean)
+        if step:
+            stepped = ops.depend(stepped, self.optimizer(_buffers.cast_like(self.hyper_map, grads, self.weights)))
+            stepped = self.after_optimizer_step(stepped)
+        return stepped
 
     @ms.jit
     def _flush_graph(self):

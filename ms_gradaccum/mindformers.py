@@ -53,12 +53,12 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
+from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._mindspore.patches import Patch
 from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES
 from ms_gradaccum._spec import LossSpec
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
 from ms_gradaccum._validation import argument_error, check_bool, check_positive_float, check_positive_int
-from ms_gradaccum._window import StateUnderOptimizer
 
 __all__ = ["GradAccumulationWrapper", "check_trainer_config"]
 
@@ -118,6 +118,7 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
 
     buffer_prefix = BUFFER_PREFIX
     scale_update_cells = _loss_scale.SCALE_MANAGERS + (AdaptiveLossScaleUpdateCell,)
+    state_under_optimizer = True   # MindFormers' resume loads the model and the optimizer only
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, micro_size: int = 1, accumulate_steps: int = 1,
                  per_token_loss: Optional[bool] = None, shared_inputs=None, steps_per_epoch: Optional[int] = None,
@@ -134,11 +135,8 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
         self.measure_norm = self.use_clip_grad or self.skip_by_global_norm
         self.global_norm_spike_threshold = keys["global_norm_spike_threshold"]
         self.clip_grad_norm = ClipGradNorm(max_norm=keys["max_grad_norm"])
-        self.global_norm = Parameter(Tensor([0.0], mstype.float32), name=f"{_buffers.STATE_PREFIX}.global_norm",
-                                     requires_grad=False)
-        # Registered under the optimizer as well (the same Parameters), for MindFormers' resume.
-        optimizer.insert_child_to_cell("grad_accumulation_state",
-                                        StateUnderOptimizer(self.state() + [self.global_norm]))
+        self.keep_state("global_norm", Parameter(Tensor([0.0], mstype.float32),
+                                                 name=f"{_buffers.STATE_PREFIX}.global_norm", requires_grad=False))
 
     @classmethod
     def with_keys(cls, **keys) -> type:
@@ -162,36 +160,37 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
                                            "__doc__": f"{cls.__name__} with the keys {preset}."})
 
     def construct(self, *inputs):
-        learning_rate = self._learning_rate()
-        loss, overflow, scale = self._train_step(*inputs)
+        learning_rate = learning_rate_now(self.optimizer)
+        loss, overflow, scale = self.accumulate(*inputs)
         if self.measure_norm:
             return loss, overflow, scale, learning_rate, ops.depend(self.global_norm * 1.0, overflow)
         return loss, overflow, scale, learning_rate, None
 
-    def _learning_rate(self):
-        """The optimizer's learning rate at its current step, as MFTrainOneStepCell reports it (read before the
-        step)."""
-        learning_rate = self.optimizer.learning_rate
-        if self.optimizer.dynamic_lr:
-            if self.optimizer.is_group_lr:
-                return learning_rate[-1](self.optimizer.global_step).reshape(())
-            return learning_rate(self.optimizer.global_step).reshape(())
-        return learning_rate * 1.0
-
-    def _step(self, mean):
-        """MindFormers' clipping (ClipGradNorm) and spike skip on the window's gradient, then the optimizer."""
-        if not self.measure_norm:
-            return self._optimize(mean, True)
-        clipped, norm = self.clip_grad_norm(mean)
+    def transform_gradients(self, grads):
+        """MindFormers' ClipGradNorm and spike skip on the window's gradient: the norm is kept (the fifth output),
+        the gradient clipped with `use_clip_grad`, the step skipped with `use_skip_data_by_global_norm` when the norm
+        reaches `global_norm_spike_threshold`."""
+        clipped, norm = self.clip_grad_norm(grads)
         done = ops.assign(self.global_norm, ops.reshape(norm, (1,)))
-        grads = clipped if self.use_clip_grad else mean
-        stepped = ops.zeros((), mstype.int32)
+        grads = clipped if self.use_clip_grad else grads
+        # The norm is kept whether the step runs or not: the step decision, or the gradient, waits for the write.
         if self.skip_by_global_norm:
-            if norm.reshape(()) < self.global_norm_spike_threshold:
-                stepped = ops.depend(stepped, self._optimize(grads, not self.use_clip_grad))
-        else:
-            stepped = ops.depend(stepped, self._optimize(grads, not self.use_clip_grad))
-        return ops.depend(stepped, done)
+            return grads, ops.depend(norm.reshape(()) < self.global_norm_spike_threshold, done)
+        return (ops.depend(grads[0], done),) + tuple(grads[1:]), True
+
+    @compile_time
+    def transforms_gradients(self) -> bool:
+        return self.measure_norm
+
+
+def learning_rate_now(optimizer: nn.Optimizer):
+    """The optimizer's learning rate at its current step, as MFTrainOneStepCell reports it (read before the step)."""
+    learning_rate = optimizer.learning_rate
+    if optimizer.dynamic_lr:
+        if optimizer.is_group_lr:
+            return learning_rate[-1](optimizer.global_step).reshape(())
+        return learning_rate(optimizer.global_step).reshape(())
+    return learning_rate * 1.0
 
 
 def _package_keys(given: dict) -> None:

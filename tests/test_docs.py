@@ -54,6 +54,20 @@ def _run(tmp_path, name):
     return done.stdout
 
 
+def test_docs_design_adapter_example_runs(tmp_path):
+    """docs/design.md, "Writing an adapter": the example subclass uses only the hooks, trains the full batch's update,
+    keeps its state under the optimizer, and skips a window when its transform says so (the example asserts it)."""
+    with open(os.path.join(REPO, "docs", "design.md"), encoding="utf-8") as handle:
+        blocks = re.findall(r"```python\n(# example: adapter\n.*?)```", handle.read(), re.S)
+    assert len(blocks) == 1
+    assert not re.search(r"(\bself|super\(\))\._(?!_)", blocks[0]), "the adapter example uses an underscore member"
+    script = tmp_path / "adapter.py"
+    script.write_text(blocks[0], encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], env=repo_env(GLOG_v="3"), capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0 and "adapter example ok" in done.stdout, done.stdout + done.stderr
+
+
 def test_docs_readme_one_device_example_runs(tmp_path):
     losses = [float(v) for v in re.findall(r"^\d+ ([0-9.]+)$", _run(tmp_path, "one_device"), re.M)]
     assert len(losses) == 3 and losses[2] < losses[0], losses

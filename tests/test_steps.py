@@ -225,3 +225,18 @@ def test_loss_scale_nested_grad_accumulationcell_rejected():
     nested = nn.SequentialCell([GradAccumulationCell(nn.WithLossCell(net, ce()), 2)])
     with pytest.raises(ValueError, match="a GradAccumulationCell must be the 'network' itself"):
         AccumulatingTrainOneStepCell(nested, nn.SGD(net.trainable_params(), 0.1), 1)
+
+
+@pytest.mark.realmodels
+@pytest.mark.parametrize("module, name", [("ms_gradaccum.mindformers", "GradAccumulationWrapper"),
+                                          ("ms_gradaccum.mindone", "TrainOneStepWrapper"),
+                                          ("ms_gradaccum.mindone.transformers", "TrainerStep")])
+def test_steps_adapters_use_only_the_public_hooks(module, name):
+    """The zoo adapters change the train step through the documented hooks only: none defines a member whose name
+    starts with one underscore (an override of, or an addition beside, the package's private machinery)."""
+    adapter = getattr(pytest.importorskip(module), name)
+    assert issubclass(adapter, AccumulatingTrainOneStepCell)
+    private = [member for member in vars(adapter) if member.startswith("_") and not member.startswith("__")]
+    assert private == [], f"{name} defines {private}"
+    hooks = {"transform_gradients", "after_optimizer_step", "construct", "transforms_gradients"}
+    assert hooks & set(vars(adapter)), f"{name} uses none of the hooks: the check would pass on any class"

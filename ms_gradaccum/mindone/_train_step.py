@@ -8,7 +8,6 @@ from mindspore import nn, ops
 from ms_gradaccum._spec import LossSpec
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
 from ms_gradaccum._validation import argument_error, check_bool, check_int, check_positive_float, check_positive_int
-from ms_gradaccum._window import StateUnderOptimizer
 
 _NAME = "TrainOneStepWrapper"
 
@@ -48,6 +47,8 @@ class TrainOneStepWrapper(AccumulatingTrainOneStepCell):
         ``CPU``: with mindone 0.5.0 in CI, around networks that run on CPU. Not run on Ascend or GPU.
     """
 
+    state_under_optimizer = True   # mindone's resume_train_network loads the network and the optimizer only
+
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, scale_sense=1.0, ema: Optional[EMA] = None,
                  updates: int = 0, drop_overflow_update: bool = True, gradient_accumulation_steps: int = 1,
                  clip_grad: bool = False, clip_norm: float = 1.0, verbose: bool = False, zero_helper=None, *,
@@ -82,8 +83,6 @@ class TrainOneStepWrapper(AccumulatingTrainOneStepCell):
         self.ema = ema
         self.skips_overflow = drop_overflow_update
         self.clip_norm, self.verbose = clip_norm, verbose
-        # mindone's resume_train_network loads a checkpoint into the network and the optimizer only.
-        optimizer.insert_child_to_cell("grad_accumulation_state", StateUnderOptimizer(self.state()))
 
     @property
     def drop_overflow_update(self) -> bool:
@@ -95,9 +94,8 @@ class TrainOneStepWrapper(AccumulatingTrainOneStepCell):
         """mindone's name for whether the window's gradient is clipped (to `clip_norm`)."""
         return self.clip
 
-    def _step(self, mean):
-        """Clipping and the optimizer (as the core), then the EMA, once per optimizer step, on the updated weights."""
-        stepped = super()._step(mean)
+    def after_optimizer_step(self, stepped):
+        """The EMA, once per optimizer step, on the updated weights."""
         if self.ema is not None:
             stepped = ops.depend(stepped, self.ema.ema_update())
         return stepped

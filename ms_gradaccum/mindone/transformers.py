@@ -44,11 +44,11 @@ class TrainerStep(AccumulatingTrainOneStepCell):
         self.max_norm = max_grad_norm
 
     def construct(self, *inputs):
-        loss, overflow, _ = self._train_step(*inputs)
+        loss, overflow, _ = self.accumulate(*inputs)
         return loss, None, overflow
 
-    def _step(self, mean):
-        return self._optimize(clip_grad_norm(mean, self.max_norm), False)
+    def transform_gradients(self, grads):
+        return clip_grad_norm(grads, self.max_norm), True
 
 
 class _SumAndCount(nn.Cell):

@@ -1,0 +1,124 @@
+"""Loss kinds as objects: a kind defined here, in the test file alone, trains exactly the full batch's update."""
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import nn, ops, Tensor
+from mindspore.common import dtype as mstype
+
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, LossKind, RowMean, RowSum, TokenMean
+from helpers import assert_params_close, assert_params_moved, make_mlp, make_optimizer, max_abs_diff, params_of
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+@ms.jit_class
+class WeightedRowMean(LossKind):
+    """A mean over the rows weighted per row by an input of the network: ``sum(w * l) / sum(w)``. A micro-batch
+    weighs the sum of its row weights; across devices the sums are added up, as the whole batch's would be."""
+    sums_across_ranks = True
+    description = "a mean over the rows weighted by an input"
+
+    def __init__(self, weights_input: int):
+        self.weights_input = weights_input
+
+    def tally(self, loss, count, rows, unit, inputs):
+        weight = ops.cast(inputs[self.weights_input], mstype.float32).sum()
+        return weight, loss * weight, weight
+
+
+class WeightedLoss(nn.Cell):
+    """Per-row squared error of `net`, averaged with the row weights `w`."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def construct(self, x, y, w):
+        rows = ops.square(self.net(x) - y).mean(axis=1)
+        return (rows * w).sum() / w.sum()
+
+
+def _batches(steps, rows, seed=5):
+    rng = np.random.RandomState(seed)
+    return [(rng.randn(rows, 16).astype(np.float32), rng.randn(rows, 4).astype(np.float32),
+             rng.uniform(0.1, 3.0, rows).astype(np.float32)) for _ in range(steps)]
+
+
+def _train(step, batches):
+    return [float(step(*(Tensor(a) for a in batch)).asnumpy()) for batch in batches]
+
+
+def _reference(optimizer, batches):
+    net = make_mlp()
+    step = nn.TrainOneStepCell(WeightedLoss(net), make_optimizer(optimizer, net.trainable_params()))
+    losses = _train(step, batches)
+    return params_of(net), losses
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_kinds_new_kind_in_a_test_file_trains_the_full_batch_update(optimizer):
+    batches = _batches(3, 14)   # 14 rows in 4 micro-batches: 4, 4, 3, 3 (uneven: the weights are not the rows)
+    expected, expected_losses = _reference(optimizer, batches)
+    net = make_mlp()
+    cell = GradAccumulationCell(WeightedLoss(net), micro_size=4, kind=WeightedRowMean(2))
+    initial = params_of(net)
+    losses = _train(nn.TrainOneStepCell(cell, make_optimizer(optimizer, net.trainable_params())), batches)
+    assert_params_moved(params_of(net), initial)
+    assert_params_close(params_of(net), expected, **TOLERANCE)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+
+    # Negative control: the same network told it is a row mean. The first step's check refuses it ...
+    control = make_mlp()
+    row_mean = GradAccumulationCell(WeightedLoss(control), micro_size=4)
+    with pytest.raises(ValueError, match="does not combine over micro-batches"):
+        _train(nn.TrainOneStepCell(row_mean, make_optimizer(optimizer, control.trainable_params())), batches)
+    # ... and without the check it trains another update.
+    control = make_mlp()
+    unchecked = GradAccumulationCell(WeightedLoss(control), micro_size=4, check_loss=False)
+    _train(nn.TrainOneStepCell(unchecked, make_optimizer(optimizer, control.trainable_params())), batches)
+    assert max_abs_diff(params_of(control), expected) > 1e-4
+
+
+def test_kinds_new_kind_over_windows_of_short_batches_under_the_train_cell():
+    batches = _batches(4, 6) + _batches(2, 3, seed=6)      # the last window: two 3-row batches, split 2 + 1
+    windows = [tuple(np.concatenate(parts) for parts in zip(*batches[i:i + 2])) for i in (0, 2, 4)]
+    expected, _ = _reference("momentum", windows)
+    net = make_mlp()
+    step = AccumulatingTrainOneStepCell(WeightedLoss(net), make_optimizer("momentum", net.trainable_params()), 2,
+                                        micro_size=2, kind=WeightedRowMean(2))
+    _train(step, batches)
+    assert_params_close(params_of(net), expected, **TOLERANCE)
+    assert step.pending_batches == 0
+
+
+@pytest.mark.parametrize("kind, arguments", [(RowMean(), {}), (RowSum(), dict(reduction="sum")),
+                                             (TokenMean(1.0), dict(per_token_loss=True, min_count=1.0)),
+                                             (TokenMean(0.0, times_rows=True),
+                                              dict(per_token_loss=True, reduction="sum"))])
+def test_kinds_built_in_kinds_are_the_arguments_that_select_them(kind, arguments):
+    from_arguments = GradAccumulationCell(WeightedLoss(make_mlp()), 2, check_loss=False, **arguments)
+    given = GradAccumulationCell(WeightedLoss(make_mlp()), 2, check_loss=False, kind=kind)
+    assert from_arguments.kind == given.kind == kind
+    assert (given.per_token_loss, given.reduction, given.min_count) == \
+        (from_arguments.per_token_loss, from_arguments.reduction, from_arguments.min_count)
+    assert TokenMean(1.0) != TokenMean(2.0) and RowMean() != RowSum()   # control: equality is not vacuous
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(kind="sum"), TypeError, r"'kind' must be None or an ms_gradaccum.LossKind, but got 'sum' \(str\)"),
+    (dict(kind=RowSum(), reduction="sum"), ValueError, r"'kind' is RowSum\(\), and reduction is given as well"),
+    (dict(kind=TokenMean(), per_token_loss=True, min_count=1.0), ValueError,
+     r"and per_token_loss, min_count is given as well"),
+])
+def test_kinds_bad_kind_arguments_rejected(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        GradAccumulationCell(WeightedLoss(make_mlp()), 2, **kwargs)
+
+
+def test_kinds_a_kind_given_twice_must_agree():
+    cell = GradAccumulationCell(WeightedLoss(make_mlp()), 2, kind=WeightedRowMean(2))
+    opt = nn.SGD(cell.network.trainable_params(), 0.1)
+    assert AccumulatingTrainOneStepCell(cell, opt, 1, kind=WeightedRowMean(2)).kind == WeightedRowMean(2)
+    with pytest.raises(ValueError, match=r"the argument 'kind' is WeightedRowMean\(weights_input=1\) but the "
+                                         r"GradAccumulationCell given as 'network' has kind="):
+        AccumulatingTrainOneStepCell(cell, opt, 1, kind=WeightedRowMean(1))
