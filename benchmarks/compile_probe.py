@@ -16,7 +16,7 @@ process of its own, REPEATS times round-robin, the minimum counted:
   loss on a batch micro_size divides.
 
 The gap between "package" and "floor" is what the package's own graph code costs to compile; "floor" against "plain"
-is what the mechanism costs (docs/measurements.md, "Compile time: where it goes").
+is what the mechanism costs (docs/measurements.md, "Compile time", "Where it goes").
 
 Compile times on a shared machine spread by 0.3-0.5 s between identical runs; the graph's size does not. So each
 configuration is also compiled once more with MindSpore's IR dumped after type inference only (``MS_DEV_SAVE_GRAPHS``,

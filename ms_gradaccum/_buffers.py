@@ -1,21 +1,12 @@
 """The accumulation buffers and how their sums become the mean gradient: every in-place buffer operation and every
 divisor of the package.
 
-How the sums are normalised (one rule for both cells and both loss kinds). Each micro-batch contributes a value and
-a count, and its backward pass runs on ``loss * scale * weight``:
-
-- a mean loss over ``rows`` rows (``per_token_loss=False``) counts ``rows / unit`` and has weight ``rows / unit``,
-  where ``unit`` is the rows of the largest micro-batch of the batch (of the first batch of an
-  ``AccumulatingTrainOneStepCell`` window). Evenly split batches of one size therefore count 1 per micro-batch and
-  add their gradients unweighted; the smaller micro-batches of an uneven split, or a short batch in a window,
-  are weighted by their rows, so the result is the mean over all rows, as the full batch would give;
-- a ``(loss_sum, count)`` network (``per_token_loss=True``) counts its ``count`` and has weight 1;
-- a loss that sums its rows (``reduction='sum'``: a sum, or a mean times the rows) counts like a mean, but its value and
-  gradient are taken per row unit (weight ``1 / unit``), and the result is multiplied by the rows (:func:`normalise`).
-
-The buffers then hold ``scale * sum(weight * gradient)``, and the mean gradient is the buffers divided by
-:func:`divisor` ``= scale * total count / devices factor`` (the count being summed over devices for token losses,
-see ``_reduce.TokenTotals``). The value returned as the loss is ``sum(weight * loss) / total count``.
+How the sums become the mean gradient: each micro-batch's backward runs on ``loss * scale * weight`` and adds
+``value`` and ``count`` to the batch's (or window's) tallies, as its loss kind says (_kinds: a mean loss weighs
+``rows / unit``, ``unit`` being the rows of the largest micro-batch of the batch or of a window's first batch, so evenly
+split batches add their gradients unweighted; a ``(loss_sum, count)`` network weighs 1 and counts its count). The
+buffers then hold ``scale * sum(weight * gradient)``; :func:`normalise` gives the loss, ``rows * value / max(count,
+floor)``, and the divisor of the buffers, ``scale * max(count, floor) / (devices factor * rows)``.
 
 Buffers are ``Parameter``s (``requires_grad=False``) named ``accu_grads.<weight name>``: gradients are added into
 them in place as they are produced, memory accounting that counts Parameters sees them, and checkpoints carry
