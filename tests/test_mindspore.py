@@ -365,3 +365,40 @@ def test_mindspore_discovery_walks_once_per_compile_or_pynative_call(monkeypatch
     walks.clear()
     assert surroundings.discover(cell).train_cell is None and surroundings.discover(cell).train_cell is None
     assert walks == ["GradAccumulationCell"] * 2
+
+
+def test_mindspore_frames_are_read_in_one_function():
+    """The stack is read by _mindspore.surroundings.read_stack alone; compiling_graph, Model.train and the grad call's
+    weights are reads of its result."""
+    import ast   # pylint: disable=import-outside-toplevel
+    package = os.path.dirname(os.path.dirname(surroundings.__file__))
+    readers = []
+    for folder, _, files in os.walk(package):
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(folder, file)
+            tree = ast.parse(open(path, encoding="utf-8").read())
+            for function in ast.walk(tree):
+                if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names = {node.attr for node in ast.walk(function) if isinstance(node, ast.Attribute)}
+                    if names & {"_getframe", "f_back", "currentframe"}:
+                        readers.append(f"{os.path.relpath(path, package)}::{function.name}")
+    assert readers == [os.path.join("_mindspore", "surroundings.py") + "::read_stack"], readers
+    # Control: what the reads found is still found (a grad call's weights, a jit compile, none outside).
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        dense = nn.Dense(2, 1)
+        seen = []
+
+        def forward(x):
+            stack = surroundings.read_stack()
+            seen.append((stack.differentiated(), stack.compiling_jit, stack.under_model))
+            return dense(x).sum()
+
+        ms.value_and_grad(forward, None, [dense.weight])(Tensor(np.ones((1, 2), np.float32)))
+        assert seen[0][0][0] is dense.weight and seen[0][1:] == (False, False)
+        assert not graph.compiling_graph()
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
+    assert graph.compiling_graph()

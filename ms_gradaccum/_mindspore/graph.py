@@ -5,7 +5,6 @@ public ``constexpr`` is deprecated in its favour. The PyNative executor lives in
 (``mindspore.common.api`` before). Checked 2.7.0-2.10.0.
 """
 import contextlib
-import sys
 import weakref
 
 import mindspore as ms
@@ -13,6 +12,8 @@ from mindspore import context as _context_module
 from mindspore import nn
 from mindspore._c_expression import ms_ctx_param as _CONTEXT_PARAM
 from mindspore.ops.primitive import _primexpr as primexpr
+
+from ms_gradaccum._mindspore.surroundings import read_stack
 
 try:
     from mindspore.graph.api import _pynative_executor as PYNATIVE_EXECUTOR
@@ -73,15 +74,8 @@ class compile_time:  # pylint: disable=invalid-name
 
 def compiling_graph() -> bool:
     """Whether the caller runs while a graph is being compiled: GRAPH_MODE, or an ``ms.jit`` function being compiled in
-    PyNative mode (the jit wrapper's ``staging_specialize`` frame, as in _mindspore.surroundings)."""
-    if ms.get_context("mode") == ms.GRAPH_MODE:
-        return True
-    frame = sys._getframe(1)  # pylint: disable=protected-access
-    while frame is not None:
-        if frame.f_code.co_name == "staging_specialize":
-            return True
-        frame = frame.f_back
-    return False
+    PyNative mode (read from the stack by _mindspore.surroundings.read_stack)."""
+    return ms.get_context("mode") == ms.GRAPH_MODE or read_stack().compiling_jit
 
 
 # Running a network eagerly from anywhere.

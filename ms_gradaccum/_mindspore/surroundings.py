@@ -28,19 +28,9 @@ def _distinct(items) -> list:
     return kept
 
 
-def _cells_on_stack() -> list:
-    owners, frame = [], sys._getframe(1)  # pylint: disable=protected-access
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Cell):
-            owners.append(owner)
-        frame = frame.f_back
-    return _distinct(owners)
-
-
-def _enclosing_cells(cell: nn.Cell) -> list:
-    """The cells among those being compiled or called whose tree holds `cell` (not `cell` itself), innermost first."""
-    roots = _cells_on_stack()
+def _enclosing_cells(cell: nn.Cell, roots: tuple) -> list:
+    """The cells among those being compiled or called (`roots`: the stack's) whose tree holds `cell` (not `cell`
+    itself), innermost first."""
     cached = _ENCLOSING_CACHE.get(cell)
     # The same cells on the stack (by identity, not by a reusable id) give the same answer: reuse it.
     if cached is not None and len(cached[0]) == len(roots) and all(r() is root for r, root in zip(cached[0], roots)):
@@ -114,25 +104,62 @@ def _grad_functions_used_by(function, depth: int = 2) -> list:
     return _distinct(found)
 
 
-def differentiated_weights() -> Optional[list]:
-    """The ``weights`` of the innermost ``mindspore.grad``/``value_and_grad`` call running or being compiled, as
-    the user passed them (parameters with ``requires_grad=False`` included); ``None`` when there is none, when it
-    has no weights, or when it cannot be found (see above)."""
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """What the frames on the stack show, read in one walk by :func:`read_stack`, the only function of the package that
+    reads frames: the cells being compiled or called (innermost first), the innermost grad call or jit compile (whose
+    weights :meth:`differentiated` finds), whether a jit function is being compiled, and whether ``Model.train`` runs.
+    """
+    cells: tuple
+    grad_call: Optional[tuple]   # ("locals", the after_grad frame's locals) or ("jit", the function being compiled)
+    compiling_jit: bool
+    under_model: bool
+
+    def differentiated(self) -> Optional[list]:
+        """The ``weights`` of the innermost ``mindspore.grad``/``value_and_grad`` call running or being compiled, as the
+        user passed them (``requires_grad=False`` ones included); ``None`` when there is none, when it has no weights,
+        or when it cannot be found (see above)."""
+        if self.grad_call is None:
+            return None
+        kind, found = self.grad_call
+        if kind == "locals":
+            return _weights_of(found)
+        if _is_after_grad(found):
+            return _weights_of(closure(found))
+        # All the weights of every grad function it uses: accumulating more weights than one of them differentiates
+        # costs buffers, never exactness.
+        weights = [_weights_of(closure(grad)) for grad in _grad_functions_used_by(found)]
+        return _distinct(weight for each in weights if each for weight in each) or None
+
+
+def _is_model_train(code) -> bool:
+    # mindspore/train/model.py's Model._train, checked 2.7.0-2.10.0.
+    return code.co_name == "_train" and code.co_filename.replace("\\", "/").endswith("mindspore/train/model.py")
+
+
+def read_stack() -> Stack:
+    """The stack of the caller, read once (see :class:`Stack`)."""
+    cells, grad_call, compiling_jit, under_model = [], None, False, False
     frame = sys._getframe(1)  # pylint: disable=protected-access
     while frame is not None:
         code = frame.f_code
-        if _is_after_grad_code(code):
-            return _weights_of(frame.f_locals)
-        if code.co_name == "staging_specialize":
-            func = frame.f_locals.get("func")
-            if _is_after_grad(func):
-                return _weights_of(closure(func))
-            # All the weights of every grad function it uses: accumulating more weights than one of them
-            # differentiates costs buffers, never exactness.
-            found = [_weights_of(closure(grad)) for grad in _grad_functions_used_by(func)]
-            return _distinct(weight for weights in found if weights for weight in weights) or None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Cell):
+            cells.append(owner)
+        if code.co_name == "staging_specialize":   # the jit wrapper compiling its function
+            compiling_jit = True
+            if grad_call is None:
+                grad_call = ("jit", frame.f_locals.get("func"))
+        elif grad_call is None and _is_after_grad_code(code):
+            grad_call = ("locals", dict(frame.f_locals))
+        under_model = under_model or _is_model_train(code)
         frame = frame.f_back
-    return None
+    return Stack(tuple(_distinct(cells)), grad_call, compiling_jit, under_model)
+
+
+def differentiated_weights(stack: Optional[Stack] = None) -> Optional[list]:
+    """The weights of the innermost grad call on `stack` (the caller's when not given): :meth:`Stack.differentiated`."""
+    return (stack or read_stack()).differentiated()
 
 
 def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
@@ -161,18 +188,6 @@ def reducer_all_reduces(reducer: nn.DistributedGradReducer) -> tuple:
         primitives = (reducer.allreduce,) * len(flags)
     devices = float(round(1.0 / float(reducer.degree.asnumpy())))
     return flags, primitives, bool(reducer.mean), devices
-
-
-def training_under_model() -> bool:
-    """Whether the caller runs inside ``mindspore.train.Model.train`` (a frame of ``Model._train`` on the stack, found
-    the way the enclosing cells are; mindspore/train/model.py, checked 2.7.0-2.10.0)."""
-    frame = sys._getframe(1)  # pylint: disable=protected-access
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_train" and code.co_filename.replace("\\", "/").endswith("mindspore/train/model.py"):
-            return True
-        frame = frame.f_back
-    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,18 +239,19 @@ def discover(cell: nn.Cell) -> Surroundings:
 
 
 def _walk(cell: nn.Cell) -> Surroundings:
-    enclosing = _enclosing_cells(cell)
+    stack = read_stack()
+    enclosing = _enclosing_cells(cell, stack.cells)
     optimizer = _optimizer_of(enclosing)
     differentiated = None
     if optimizer is None:
-        weights = differentiated_weights()
+        weights = differentiated_weights(stack)
         differentiated = tuple(weights) if weights is not None else None
     return Surroundings(
         train_cell=next((c for c in enclosing if isinstance(c, nn.TrainOneStepCell)), None),
         optimizer=optimizer,
         loss_wrapper=next((c for c in enclosing if c.__dict__.get("_cells", {}).get("_backbone") is cell), None),
         differentiated=differentiated,
-        under_model=training_under_model())
+        under_model=stack.under_model)
 
 
 def _optimizer_of(enclosing: list) -> Optional[nn.Optimizer]:
