@@ -143,10 +143,11 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
         self.replicas = ReplicaCheck(self._targets, _NAME)
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
-        # Both mechanisms exist from the start; the parallel mode in force when Model builds its train cell and when
-        # the graph compiles (AutoParallel sets it only then) picks one: see parallel_pass.
-        self.parallel_pass_part = ParallelPassAccumulation(network, spec.micro_size)
+        # The parallel mode in force when Model builds its train cell and when the graph compiles (AutoParallel sets
+        # it only then) picks the mechanism (see parallel_pass); the parallel pass's part is built in those modes only.
         self.compile_checks = CompileChecks(self)
+        if parallel_mode() in PARALLEL_PASS_MODES:
+            self._build_parallel_pass_part()   # now, so that Model finds its markers
 
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see
@@ -186,6 +187,20 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
             return "GradAccumulationCell"
         name = type(self).__name__
         return _UNROUTED_NAME if name in ROUTED_NAMES else name
+
+    @compile_time
+    def parallel_pass_part(self) -> ParallelPassAccumulation:
+        """The part MindSpore's semi-auto/auto-parallel pass accumulates through (its micro-batch markers), built when
+        the cell is built in those modes or when first read: a cell trained stand-alone or data parallel holds none."""
+        return self._build_parallel_pass_part()
+
+    def _build_parallel_pass_part(self) -> ParallelPassAccumulation:
+        part = self._cells.get("parallel_pass_part")
+        if part is None:
+            # Straight into the cell table: insert_child_to_cell's hasattr would read the attribute again. The part
+            # holds no Parameter, so nothing needs naming.
+            part = self._cells["parallel_pass_part"] = ParallelPassAccumulation(self.network, self.micro_size)
+        return part
 
     @compile_time
     def parallel_pass(self) -> bool:

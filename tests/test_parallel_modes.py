@@ -62,6 +62,8 @@ def test_parallel_modes_stand_alone_and_data_parallel_are_not_routed(mode):
     assert not _is_grad_accumulation(cell) and not cell.parallel_pass
     model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1))
     assert type(model._train_network) is nn.TrainOneStepCell  # pylint: disable=protected-access
+    # The parallel pass's markers are built only where it may run.
+    assert not any("parallel_pass_part" in name for name, _ in model._train_network.cells_and_names())  # pylint: disable=protected-access
 
 
 def test_parallel_modes_mechanism_follows_the_mode_in_force_not_the_one_at_construction():
