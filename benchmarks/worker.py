@@ -4,8 +4,8 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
   FRAMEWORK  mindspore | torch
   MODEL      mlp (activation-heavy) | conv | wide (parameter-heavy: four 1536-wide Dense layers, 27 MB)
              | wide1024 (the same with 1024-wide layers, 12 MB: the tests' size)
-             | lm2, lm6 (a transformer language model, d_model 128, 4 heads, sequence 64, vocabulary 512, with 2 or 6
-             MindSpore nn.TransformerEncoderLayer layers: what compile time is measured on)
+             | lm2, lm6, lm24, lmN (a transformer language model, d_model 128, 4 heads, sequence 64, vocabulary 512,
+             with N MindSpore nn.TransformerEncoderLayer layers: what compile time is measured on)
   KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
              | accumulate_unchecked (the same with check_loss=False: the loss contract check's cost)
              | accumulate_in_graph (the same inside a train cell of one's own, a subclass of nn.TrainOneStepCell:
@@ -13,14 +13,16 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
              | mindspore (nn.GradAccumulationCell inside nn.TrainOneStepCell) | steps
              (AccumulatingTrainOneStepCell, MICRO_SIZE calls of BATCH / MICRO_SIZE per optimizer step)
              | accumulate_steps (AccumulatingTrainOneStepCell(loss_net, opt, 1, micro_size=MICRO_SIZE))
+             | floor (language model only: the least an accumulating step can compile to, not the product; see
+             floor_cell)
              | tokens (GradAccumulationCell, MICRO_SIZE, on a network returning (loss_sum, count))
              | plain_o2 | accumulate_o2 (the same in mixed precision: amp O2 float16 compute, float32
              weights, loss scale 2**10 as Model's FixedLossScaleManager applies it)
              torch: plain | accumulate (the standard loop: loss / K, backward per micro-batch, one step)
 A "step" is always one optimizer update over BATCH samples. Timings: the graph's compilation (Cell.compile on the
-step's inputs, compile_s), the first step and the median of STEPS steady steps. Memory: peak RSS, and its growth over
-the RSS measured
-after the framework's import and the data's creation (so it holds compilation, weights, activations); MindSpore's pool
+step's inputs: wall seconds compile_s, and the process's CPU seconds compile_cpu_s, MindSpore's own threads included,
+steadier than wall on a loaded machine), the first step and the median of STEPS steady steps. Memory: peak RSS, and
+its growth over the RSS measured after the framework's import and the data's creation (so it holds compilation, weights, activations); MindSpore's pool
 peak is printed by MindSpore itself at exit.
 It does not hold Parameters, so the bytes of every Parameter the train cell holds (weights, optimizer
 state, accumulation buffers) are reported beside it (param_mb), and the weights' own bytes (weight_mb).
@@ -100,6 +102,63 @@ def _LanguageModel(layers: int):  # pylint: disable=invalid-name
     return LanguageModel()
 
 
+def floor_cell(net, optimizer, micro_size: int):
+    """The least an accumulating step can compile to, a probe that is not the product: a graph-mode while loop over
+    the micro-batches running ``value_and_grad`` and adding the gradients into Parameter buffers in place, inside a cell
+    whose bprop returns zeros (opaque to the outer gradient), and the package's ``GradientOf`` handing each buffer to
+    the optimizer through ``nn.TrainOneStepCell``. No input planning, tallies, loss checks, loss scale, buffer clearing
+    or uneven splits: it is exact only for a mean loss on a batch micro_size divides, and only for its first step."""
+    import mindspore as ms
+    from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
+    from ms_gradaccum._cell import GradientOf, _hand_over
+
+    weights = ParameterTuple(optimizer.parameters)
+    buffers = ParameterTuple([Parameter(ops.zeros_like(w), name="probe." + w.name, requires_grad=False)
+                              for w in weights])
+    add_into = ops.MultitypeFuncGraph("add_into")
+
+    @add_into.register("Tensor", "Tensor")
+    def _add(buffer, grad):
+        return ops.assign_add(buffer, grad)
+
+    class Loop(nn.Cell):
+        """The micro-batch loop, opaque to the outer gradient; returns the mean loss."""
+
+        def __init__(self):
+            super().__init__()
+            self.net, self.buffers, self.hyper_map = net, buffers, ops.HyperMap()
+            self.zeros_like = ops.ZerosLike()
+
+        def construct(self, ids, labels):
+            ids = ids.reshape((micro_size, -1) + ids.shape[1:])
+            labels = labels.reshape((micro_size, -1) + labels.shape[1:])
+            i, total = Tensor(0, ms.int32), Tensor(0.0, ms.float32)
+            while i < micro_size:
+                micro = (ops.gather(ids, i, 0), ops.gather(labels, i, 0))
+                loss, grads = ms.value_and_grad(self.net, None, weights)(*micro)
+                total = total + ops.depend(loss, self.hyper_map(add_into, self.buffers, grads))
+                i = i + 1
+            return total / micro_size
+
+        def bprop(self, ids, labels, out, dout):
+            return self.zeros_like(ids), self.zeros_like(labels)
+
+    class Floor(nn.Cell):
+        """Loss from the loop; each weight's gradient is its buffer / micro_size (GradientOf)."""
+
+        def __init__(self):
+            super().__init__()
+            self.loop, self.buffers, self.gradient_of, self.hyper_map = Loop(), buffers, GradientOf(), ops.HyperMap()
+
+        def construct(self, ids, labels):
+            loss = ops.stop_gradient(self.loop(ids, labels))
+            divisor = ops.stop_gradient(ops.depend(Tensor(float(micro_size), ms.float32), loss))
+            zeros = self.hyper_map(ops.partial(_hand_over, self.gradient_of, divisor), weights, self.buffers)
+            return loss + ops.stack(zeros).sum()
+
+    return nn.TrainOneStepCell(Floor(), optimizer)
+
+
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -151,7 +210,7 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     sens = None
     if net is None:   # the language model computes its loss itself
         if kind not in ("plain", "accumulate", "accumulate_unchecked", "accumulate_in_graph", "accumulate_steps",
-                        "steps"):
+                        "steps", "floor"):
             raise SystemExit(f"kind {kind!r} is not measured on the language model")
         net = loss_net = _LanguageModel(int(model[2:]))
     else:
@@ -166,7 +225,11 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     optimizer = nn.SGD(net.trainable_params(), 0.01, loss_scale=sens or 1.0)
     weight_bytes = sum(p.size * p.itemsize for p in net.trainable_params())
     tx, ty = Tensor(x), Tensor(y)
-    if kind == "accumulate_steps":
+    if kind == "floor":
+        cell = floor_cell(net, optimizer, micro_size)
+        step = lambda: cell(tx, ty).asnumpy()  # noqa: E731
+        compile_inputs = (tx, ty)
+    elif kind == "accumulate_steps":
         cell = AccumulatingTrainOneStepCell(loss_net, optimizer, 1, micro_size=micro_size)
         step = lambda: cell(tx, ty).asnumpy()  # noqa: E731
         compile_inputs = (tx, ty)
@@ -247,17 +310,17 @@ def main(framework: str, model: str, kind: str, micro_size: int, batch: int, ste
     rss_base = _rss_mb()
     build = mindspore_step if framework == "mindspore" else torch_step
     step, compile_graph, count_parameter_bytes, weight_bytes = build(model, kind, micro_size, x, y)
-    compile_s = None
+    compile_s = compile_cpu_s = None
     if compile_graph is not None:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         compile_graph()
-        compile_s = time.perf_counter() - start
+        compile_s, compile_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
     first, steady = _time_steps(step, steps)
     parameter_bytes = None if count_parameter_bytes is None else count_parameter_bytes()
     result = dict(framework=framework, model=model, kind=kind, micro_size=micro_size, batch=batch,
                   param_mb=None if parameter_bytes is None else parameter_bytes / 2 ** 20,
                   weight_mb=weight_bytes / 2 ** 20,
-                  compile_s=compile_s, first_step_s=first, steady_step_s=steady, samples_per_s=batch / steady,
+                  compile_s=compile_s, compile_cpu_s=compile_cpu_s, first_step_s=first, steady_step_s=steady, samples_per_s=batch / steady,
                   rss_base_mb=rss_base, rss_peak_mb=_rss_mb(), rss_growth_mb=_rss_mb() - rss_base,
                   input_mb=(x.nbytes + y.nbytes) / 2 ** 20)
     print("BENCH " + json.dumps(result), flush=True)

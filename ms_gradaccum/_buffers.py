@@ -102,9 +102,23 @@ _divide = ops.MultitypeFuncGraph("_divide")
 _CAST, _ASSIGN, _ASSIGN_ADD = ops.Cast(), ops.Assign(), ops.AssignAdd()
 
 
+_add_cast_into = ops.MultitypeFuncGraph("_add_cast_into")
+_clear = ops.MultitypeFuncGraph("_clear")
+
+
 @_add_into.register("Tensor", "Tensor")
 def _add_into_buffer(buffer, grad):
+    return _ASSIGN_ADD(buffer, grad)
+
+
+@_add_cast_into.register("Tensor", "Tensor")
+def _add_cast_into_buffer(buffer, grad):
     return _ASSIGN_ADD(buffer, _CAST(grad, buffer.dtype))
+
+
+@_clear.register("Tensor")
+def _clear_buffer(buffer):
+    return _ASSIGN(buffer, ZEROS_LIKE(buffer))
 
 
 @_zero.register("Tensor", "Tensor")
@@ -121,14 +135,12 @@ def _divide_buffer(divisor, buffer):
     return ops.assign(buffer, buffer / ops.cast(divisor, buffer.dtype))
 
 
-def add_gradients(buffers, grads, after):
-    """``buffers += grads``, in place, cast to the buffers' dtype. Returns `after` made to depend on the writes.
-
-    The writes go last weight first: side effects on Parameters run in program order, and the backward pass
-    produces the last layer's gradient first, so in this order each gradient is added, and freed, as soon as it
-    exists instead of all of them waiting for the first layer's (docs/measurements.md).
-    """
-    return ops.depend(after, _HYPER_MAP(_add_into, buffers[::-1], grads[::-1]))
+def add_gradients(buffers, grads, after, cast: bool):
+    """``buffers += grads``, in place, in the order given (the engine gives the last weight first), each gradient cast
+    to its buffer's dtype when `cast` (a compile-time constant). Returns `after` made to depend on the writes."""
+    if cast:
+        return ops.depend(after, _HYPER_MAP(_add_cast_into, buffers, grads))
+    return ops.depend(after, _HYPER_MAP(_add_into, buffers, grads))
 
 
 def divide_in_place(buffers, divisor):
@@ -147,6 +159,11 @@ def multiply_in_place(buffer, numerator, denominator):
     way, and is what callers use."""
     buffer *= ops.cast(numerator, buffer.dtype) / ops.cast(denominator, buffer.dtype)
     return buffer
+
+
+def zero_buffers(buffers):
+    """buffers = 0, in place, in program order; returns the writes (make what follows depend on them)."""
+    return _HYPER_MAP(_clear, buffers)
 
 
 def clear(buffers, after):

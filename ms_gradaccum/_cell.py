@@ -289,8 +289,8 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
         divisor = ops.stop_gradient(ops.depend(divisor, loss))
         # Adds zero; its backward hands each weight its buffer, unscaled (in float32) and times the sens. One call per
         # weight through a HyperMap (see _buffers: a Python loop over the weights compiles far slower).
-        zeros = self.hyper_map(ops.partial(_hand_over, self.gradient_of, divisor), self.weights[::-1],
-                               self.accu_grads[::-1])
+        zeros = self.hyper_map(ops.partial(_hand_over, self.gradient_of, divisor), self.engine.weights,
+                               self.engine.buffers)
         loss = loss + ops.stack(zeros).sum()
         return ops.reshape(loss, loss_like.shape)   # the network's loss shape: () or (1,)
 

@@ -16,10 +16,10 @@ that PyNative mode compiles again when they change.
 from typing import Callable
 
 import mindspore as ms
-from mindspore import nn, ops, Tensor
+from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._buffers import add_gradients, clear
+from ms_gradaccum._buffers import add_gradients, zero_buffers
 from ms_gradaccum import _contract
 from ms_gradaccum._contract import ContractCheck
 from ms_gradaccum import _errors
@@ -173,17 +173,28 @@ class MicroBatchGradients(PrecisionNeutral):
         split, shared, constants = partition(inputs, layout)
         return ms.mutable(split), ms.mutable(shared) if shared else shared, constants, layout
 
+    # Both last weight first: the backward pass produces the last layer's gradient first, and side effects on
+    # Parameters run in program order, so in this order each gradient is added, and freed, as soon as it exists instead
+    # of all of them waiting for the first layer's (docs/measurements.md). Reversed here, in Python, not by slicing the
+    # tuples in the graph (a node per weight and tuple).
     @compile_time
     def weights(self):
-        """The weights whose gradients are accumulated."""
-        return self._targets()[0]
+        """The weights whose gradients are accumulated, last first."""
+        return ParameterTuple(self._targets()[0][::-1])
 
     @compile_time
     def buffers(self):
-        """Their ``accu_grads`` buffers. Read when this graph is built, which marks the compile under way as one that
-        runs the network on micro-batches (_errors)."""
+        """Their ``accu_grads`` buffers, last first. Read when this graph is built, which marks the compile under way
+        as one that runs the network on micro-batches (_errors)."""
         _errors.note_engine(self)
-        return self._targets()[1]
+        return ParameterTuple(self._targets()[1][::-1])
+
+    @compile_time
+    def adds_with_cast(self) -> bool:
+        """Whether a buffer's dtype differs from its weight's (float32 sums of float16 weights): only then is each
+        gradient cast before it is added (a Cast per weight is compiled even where it does nothing)."""
+        weights, buffers = self._targets()
+        return any(buffer.dtype != weight.dtype for weight, buffer in zip(weights, buffers))
 
     def _value_and_grads(self, micro, scale, rows, unit):
         return ms.value_and_grad(self.scaled_loss, None, self.weights)(micro, scale, rows, unit)
@@ -219,7 +230,7 @@ class MicroBatchGradients(PrecisionNeutral):
         while i < stop:
             out, grads = self._value_and_grads(self._micro_inputs(split, i, others), scale, rows, unit)
             totals = self._tally(out, _unpack(packed), i + offset)
-            value = add_gradients(self.buffers, grads, after=totals[0])
+            value = add_gradients(self.buffers, grads, totals[0], self.adds_with_cast)
             packed = ops.stack((value,) + totals[1:])
             i = i + 1
         return _unpack(packed)
@@ -245,7 +256,7 @@ class MicroBatchGradients(PrecisionNeutral):
         if self.overwrite:
             # A fresh sum per batch: the buffers are cleared once, before the loop, so that every micro-batch goes
             # through the same loop body (one copy of the network in the graph) and adds its gradient.
-            totals = (ops.depend(zero, clear(self.buffers, zero)),) + totals[1:]
+            totals = (ops.depend(zero, zero_buffers(self.buffers)),) + totals[1:]
         offset = 0
         for split, count, rows in split_batch(inputs, self.micro_size):
             # One loop per micro-batch shape: a batch micro_size divides has one, any other two (sizes differ by 1).

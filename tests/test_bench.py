@@ -42,14 +42,16 @@ def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
     compiled = {(row["model"], row["kind"], row["micro_size"], row["batch"]): row for row in result["compile_rows"]}
     for key in (("lm2", "plain", 1, 16), ("lm2", "accumulate", 4, 16), ("lm2", "accumulate_unchecked", 4, 16),
                 ("lm2", "accumulate_steps", 4, 18),
-                ("lm2", "accumulate", 64, 64)):
-        assert compiled[key]["compile_s"] > 0, key
+                ("lm2", "accumulate", 64, 64), ("lm2", "floor", 4, 16)):
+        assert compiled[key]["compile_s"] > 0 and compiled[key]["compile_cpu_s"] > 0, key
     for prefix in ("lm2: compile, divisible batch, 16 rows, K=4: GradAccumulationCell",
                    "lm2: compile, ragged batch, 18 rows, K=4: AccumulatingTrainOneStepCell", "lm2: compile K=64",
                    "lm2: the loss contract's check: compile",
+                   "lm2: compile CPU seconds, K=4, against the floor: GradAccumulationCell",
                    "mlp: compile K=64"):
         assert any(line.startswith(prefix) for line in result["targets"]), prefix
     assert "| lm2 | GradAccumulationCell in nn.TrainOneStepCell K=4 | 16 |" in done.stdout
+    assert "| lm2 | floor (the mechanism alone, not the product) K=4 | 16 |" in done.stdout
 
 
 def test_bench_failed_configuration_exits_non_zero_and_keeps_the_last_results(tmp_path, monkeypatch, capsys):
@@ -64,7 +66,7 @@ def test_bench_failed_configuration_exits_non_zero_and_keeps_the_last_results(tm
             return None
         # The keys benchmarks/worker.py prints, plus what run_one adds from the log.
         return dict(framework=framework, model=model, kind=kind, micro_size=micro_size, batch=batch, param_mb=1.0,
-                    weight_mb=0.5, compile_s=0.9, first_step_s=1.0, steady_step_s=0.1, samples_per_s=batch / 0.1,
+                    weight_mb=0.5, compile_s=0.9, compile_cpu_s=1.2, first_step_s=1.0, steady_step_s=0.1, samples_per_s=batch / 0.1,
                     rss_base_mb=400.0, rss_peak_mb=500.0, rss_growth_mb=100.0, input_mb=1.0, pool_peak_mb=10,
                     footprint_mb=11.0)
 
