@@ -190,3 +190,111 @@ def test_mindcv_module_is_imported_only_by_whoever_uses_it():
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert os.path.exists(os.path.join(os.path.dirname(__file__), "..", "ms_gradaccum", "mindcv.py"))
+
+
+def _val_dataset():
+    x, y = _data(rows=16, seed=5)
+    return ds.NumpySlicesDataset({"image": x, "label": y}, shuffle=False).batch(8)
+
+
+def _wait_for(paths, seconds=60.0):
+    """mindcv's StateMonitor saves asynchronously: the files, once written (bounded)."""
+    import time   # pylint: disable=import-outside-toplevel
+    deadline = time.monotonic() + seconds
+    while not all(os.path.exists(p) and os.path.getsize(p) > 0 for p in paths):
+        assert time.monotonic() < deadline, f"not written within {seconds:.0f} s: {paths}"
+        time.sleep(0.2)
+
+
+def _monitor(model, folder, **kwargs):
+    from mindcv.utils import StateMonitor   # pylint: disable=import-outside-toplevel
+    return StateMonitor(model, model_name="vit", dataset_sink_mode=False, dataset_val=_val_dataset(),
+                        metric_name=["accuracy"], ckpt_save_dir=str(folder), summary_dir=str(folder), log_interval=1,
+                        **kwargs)
+
+
+@pytest.mark.slow
+def test_mindcv_state_monitor_validates_with_the_ema_weights(tmp_path, monkeypatch):
+    # mindcv's train.py flow with the one import changed: StateMonitor validates each epoch with the EMA weights it
+    # finds under mindcv's names (ema.*), then puts the online weights back, and saves mindcv's files.
+    # mindcv 0.3.0's StateMonitor cannot validate with EMA on MindSpore 2.10, whoever trains: it hands
+    # load_param_into_net the weights' `.data`, a Tensor there, where a Parameter is required (its own trainer fails
+    # the same way, checked below). The test gives it the Parameters it means; everything else is mindcv's.
+    from mindcv.utils import callbacks   # pylint: disable=import-outside-toplevel
+    net = _vit()
+    own = mindcv_create_trainer(net, nn.CrossEntropyLoss(), nn.SGD(net.trainable_params(), 0.1), {"accuracy"}, "O0",
+                                None, "fixed", ema=True)
+    with pytest.raises(TypeError, match=r"should be a 'str' and 'Parameter'"):
+        own.train(1, _dataset(BATCH), callbacks=[_monitor(own, tmp_path / "own", model_ema=True)],
+                  dataset_sink_mode=False)
+    load = callbacks.load_param_into_net
+    monkeypatch.setattr(callbacks, "load_param_into_net", lambda network, weights: load(network, {
+        name: value if isinstance(value, ms.Parameter) else ms.Parameter(value, name=name)
+        for name, value in weights.items()}))
+    net = _vit()
+    model = create_trainer(net, nn.CrossEntropyLoss(), nn.SGD(net.trainable_params(), 0.1), {"accuracy"}, "O0", None,
+                           "fixed", ema=True, ema_decay=0.5, gradient_accumulation_steps=K)
+    evaluated = []
+    evaluate = model.eval
+
+    def recording_eval(*args, **kwargs):
+        evaluated.append({p.name: p.asnumpy().copy() for p in net.trainable_params()})
+        return evaluate(*args, **kwargs)
+
+    model.eval = recording_eval
+    model.train(EPOCHS, _dataset(BATCH), callbacks=[_monitor(model, tmp_path, model_ema=True)],
+                dataset_sink_mode=False)
+    step = model.train_network
+    assert len(evaluated) == EPOCHS and float(step.updates.asnumpy()) == 2 * EPOCHS
+    ema = {p.name[len("ema."):]: p.asnumpy() for p in step.get_parameters() if p.name.startswith("ema.")}
+    online = {p.name: p.asnumpy() for p in net.trainable_params()}
+    for name, value in evaluated[-1].items():   # the last validation saw the final EMA weights
+        np.testing.assert_array_equal(value, ema[name])
+    # Control: the EMA weights are not the online ones. (With the test's fix, StateMonitor's swap does not give the
+    # online weights back exactly on MindSpore 2.10, with mindcv's own trainer too: docs/mindcv.md. Unfixed, it stops
+    # with the TypeError above, so a user is not trained on silently.)
+    assert max(float(np.abs(ema[n] - online[n]).max()) for n in online) > 1e-4
+    log = (tmp_path / "result.log").read_text()
+    assert len(log.strip().splitlines()) == 1 + EPOCHS, log
+    saved = [str(tmp_path / f"vit-{EPOCHS}_6.ckpt"), str(tmp_path / "optim_vit.ckpt")]
+    _wait_for(saved)
+    assert any(name.startswith("ema.") for name in ms.load_checkpoint(saved[0]))
+
+
+@pytest.mark.slow
+def test_mindcv_resume_through_mindcvs_files_ends_as_the_uninterrupted_run(tmp_path):
+    # mindcv's resume: the network from <model>-<epoch>_<step>.ckpt and the optimizer from optim_<model>.ckpt (what its
+    # create_model / create_optimizer load), then Model.train(..., initial_epoch=1). Momentum, so that the optimizer's
+    # state matters: the same final weights as two epochs in one go.
+    def trained(epochs, folder, initial_epoch=0, network_ckpt=None, optimizer_ckpt=None):
+        net = _vit(seed=1 if network_ckpt else 0)
+        opt = nn.Momentum(net.trainable_params(), 0.05, 0.9)
+        if network_ckpt:
+            ms.load_param_into_net(net, ms.load_checkpoint(network_ckpt))
+        if optimizer_ckpt:
+            ms.load_param_into_net(opt, ms.load_checkpoint(optimizer_ckpt))
+        model = create_trainer(net, nn.CrossEntropyLoss(), opt, {"accuracy"}, "O0", None, "fixed",
+                               gradient_accumulation_steps=K)
+        model.train(epochs, _dataset(BATCH), callbacks=[_monitor(model, folder, last_epoch=initial_epoch)],
+                    dataset_sink_mode=False, initial_epoch=initial_epoch)
+        return _weights(net), opt
+
+    whole, _ = trained(EPOCHS, tmp_path / "whole")
+    trained(1, tmp_path / "first")
+    files = [str(tmp_path / "first" / "vit-1_6.ckpt"), str(tmp_path / "first" / "optim_vit.ckpt")]
+    _wait_for(files)
+    resumed, opt = trained(EPOCHS, tmp_path / "resumed", 1, *files)
+    assert int(opt.global_step.asnumpy()) == 2 * EPOCHS   # two windows per epoch, counted across the resume
+    worst = max(float(np.abs(resumed[n] - whole[n]).max()) for n in whole)
+    assert worst <= 1e-6, worst
+    # Control: without the optimizer's file (momentum lost) the resumed run lands elsewhere.
+    without, _ = trained(EPOCHS, tmp_path / "without", 1, files[0])
+    assert max(float(np.abs(without[n] - whole[n]).max()) for n in whole) > 1e-4
+
+
+def test_mindcv_resnet_with_batch_norm_is_warned_not_claimed_exact():
+    from mindcv.models import create_model   # pylint: disable=import-outside-toplevel
+    net = create_model("resnet18", num_classes=4, in_channels=1)
+    with pytest.warns(UserWarning, match=r"BatchNorm"):
+        create_trainer(net, nn.CrossEntropyLoss(), nn.SGD(net.trainable_params(), 0.1), {"accuracy"}, "O0", None,
+                       "fixed", gradient_accumulation_steps=K)
