@@ -22,10 +22,10 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
 A "step" is always one optimizer update over BATCH samples. Timings: the graph's compilation (Cell.compile on the
 step's inputs: wall seconds compile_s, and the process's CPU seconds compile_cpu_s, MindSpore's own threads included,
 steadier than wall on a loaded machine), the first step and the median of STEPS steady steps. Memory: peak RSS, and
-its growth over the RSS measured after the framework's import and the data's creation (so it holds compilation, weights, activations); MindSpore's pool
-peak is printed by MindSpore itself at exit.
-It does not hold Parameters, so the bytes of every Parameter the train cell holds (weights, optimizer
-state, accumulation buffers) are reported beside it (param_mb), and the weights' own bytes (weight_mb).
+its growth over the RSS measured after the framework's import and the data's creation (so it holds compilation,
+weights, activations); MindSpore's pool peak is printed by MindSpore itself at exit. It does not hold Parameters, so
+the bytes of every Parameter the train cell holds (weights, optimizer state, accumulation buffers) are reported beside
+it (param_mb), and the weights' own bytes (weight_mb).
 With DATA_PARALLEL=1 (started by msrun), each rank trains data parallel (gradients averaged, every rank on the same
 batch). Environment variables reach MindSpore as usual (MS_DEV_RUNTIME_CONF, MS_DEV_SAVE_GRAPHS, ...).
 """
@@ -320,7 +320,8 @@ def main(framework: str, model: str, kind: str, micro_size: int, batch: int, ste
     result = dict(framework=framework, model=model, kind=kind, micro_size=micro_size, batch=batch,
                   param_mb=None if parameter_bytes is None else parameter_bytes / 2 ** 20,
                   weight_mb=weight_bytes / 2 ** 20,
-                  compile_s=compile_s, compile_cpu_s=compile_cpu_s, first_step_s=first, steady_step_s=steady, samples_per_s=batch / steady,
+                  compile_s=compile_s, compile_cpu_s=compile_cpu_s, first_step_s=first, steady_step_s=steady,
+                  samples_per_s=batch / steady,
                   rss_base_mb=rss_base, rss_peak_mb=_rss_mb(), rss_growth_mb=_rss_mb() - rss_base,
                   input_mb=(x.nbytes + y.nbytes) / 2 ** 20)
     print("BENCH " + json.dumps(result), flush=True)

@@ -66,7 +66,8 @@ def test_bench_failed_configuration_exits_non_zero_and_keeps_the_last_results(tm
             return None
         # The keys benchmarks/worker.py prints, plus what run_one adds from the log.
         return dict(framework=framework, model=model, kind=kind, micro_size=micro_size, batch=batch, param_mb=1.0,
-                    weight_mb=0.5, compile_s=0.9, compile_cpu_s=1.2, first_step_s=1.0, steady_step_s=0.1, samples_per_s=batch / 0.1,
+                    weight_mb=0.5, compile_s=0.9, compile_cpu_s=1.2, first_step_s=1.0, steady_step_s=0.1,
+                    samples_per_s=batch / 0.1,
                     rss_base_mb=400.0, rss_peak_mb=500.0, rss_growth_mb=100.0, input_mb=1.0, pool_peak_mb=10,
                     footprint_mb=11.0)
 
