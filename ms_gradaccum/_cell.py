@@ -11,13 +11,13 @@ from ms_gradaccum._contract import PreparedCalls
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, compiling_graph, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE, bprops_calling_zeros_like
-from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES, ROUTED_NAMES, TrainGradAccuStepCell, parallel_mode
-from ms_gradaccum._mindspore.surroundings import discover
+from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, TrainGradAccuStepCell, discover,
+                                                  parallel_mode)
 from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
-from ms_gradaccum._reduce import ReplicaCheck, TokenTotals, check_data_parallel_ready
+from ms_gradaccum._parallel import ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._kinds import LossKind
-from ms_gradaccum._spec import LossSpec
+from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
                                       foreign_optimizer_error, no_trained_weights_error)
 
@@ -180,7 +180,7 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
     @property
     def cls_name(self) -> str:
         # mindspore.train.amp._is_grad_accumulation reads cls_name when Model builds its train cell
-        # (_mindspore.routing):
+        # (_mindspore.surroundings, "Routing"):
         # a routed name gets MindSpore's _TrainGradAccuStepCell, which only the semi-auto/auto-parallel pass feeds.
         # So the routed name only in those modes (in force then, whether set globally or by AutoParallel).
         if self.parallel_pass:

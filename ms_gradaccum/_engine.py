@@ -22,12 +22,11 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._buffers import add_gradients, zero_buffers
 from ms_gradaccum import _contract
 from ms_gradaccum._contract import ContractCheck
-from ms_gradaccum import _errors
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore import surroundings
 from ms_gradaccum._mindspore.patches import GRAPH_COMPILE, ZEROS_LIKE
 from ms_gradaccum._loss_scale import PrecisionNeutral
-from ms_gradaccum._spec import LossSpec
+from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._tokens import LabelWatch, warn_token_mean
 from ms_gradaccum._validation import readable, warn_batch_norm
 from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, input_kinds, input_names,
@@ -129,7 +128,7 @@ class MicroBatchGradients(PrecisionNeutral):
 
     Args:
         network (Cell): The loss network.
-        spec (LossSpec): What the owner was told about the loss (_spec), its kind among it.
+        spec (LossSpec): What the owner was told about the loss (_kinds), its kind among it.
         overwrite (bool): Whether the first micro-batch overwrites the buffers (a fresh sum per batch) instead of
             adding to what they hold (a sum over a window of batches).
         targets (Callable): Returns ``(weights, buffers)``, the ParameterTuples of the trained weights and their
@@ -145,12 +144,12 @@ class MicroBatchGradients(PrecisionNeutral):
     def __init__(self, network: nn.Cell, spec: LossSpec, overwrite: bool, targets: Callable, cls_name: str,
                  accumulates: bool):
         super().__init__(auto_prefix=False)
-        # Around every graph compile: one discovery of the surroundings per cell, the mark _errors reads, then the loss
-        # contract's eager pass (_contract); errors the network raises on a micro-batch say so (_errors).
+        # Around every graph compile: one discovery of the surroundings per cell, the engine's mark cleared, then the
+        # loss contract's eager pass; errors the network raises on a micro-batch say so (all three in _contract).
         GRAPH_COMPILE.around(surroundings.around_compile)
-        GRAPH_COMPILE.around(_errors.around_compile)
+        GRAPH_COMPILE.around(_contract.clear_engine_mark)
         GRAPH_COMPILE.around(_contract.around_compile)
-        GRAPH_COMPILE.decorate_errors(_errors.micro_batch_context)
+        GRAPH_COMPILE.decorate_errors(_contract.micro_batch_context)
         GRAPH_COMPILE.install()
         micro_size = spec.micro_size
         self.scaled_loss = ScaledLoss(network, spec.kind, cls_name)
@@ -185,8 +184,8 @@ class MicroBatchGradients(PrecisionNeutral):
     @compile_time
     def buffers(self):
         """Their ``accu_grads`` buffers, last first. Read when this graph is built, which marks the compile under way
-        as one that runs the network on micro-batches (_errors)."""
-        _errors.note_engine(self)
+        as one that runs the network on micro-batches (_contract.micro_batch_context)."""
+        _contract.note_engine(self)
         return ParameterTuple(self._targets()[1][::-1])
 
     @compile_time

@@ -24,9 +24,8 @@ import numpy as np
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._mindspore.cells import PRECISION_FLAGS
 from ms_gradaccum._mindspore.graph import compile_time
-from ms_gradaccum._mindspore.surroundings import applied_sens, discover
+from ms_gradaccum._mindspore.surroundings import PRECISION_FLAGS, applied_sens, discover
 from ms_gradaccum._validation import argument_error, check_positive_float, computes_in_float16
 
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)

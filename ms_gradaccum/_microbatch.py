@@ -13,7 +13,7 @@ from mindspore import ops, Tensor
 
 from ms_gradaccum._mindspore.graph import primexpr
 
-# The layout of the inputs last split (kinds, names, layout), for errors the network raises (_errors).
+# The layout of the inputs last split (kinds, names, layout), for errors the network raises (_contract).
 _LAST = {"layout": None}
 
 
@@ -106,7 +106,7 @@ def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple,
             f"For '{cls_name}', no input can be split into micro_size={micro_size} micro-batches: every input is a "
             f"0-d Tensor, None, a number or declared in shared_inputs={shared_inputs}. At least one input needs a "
             f"batch axis 0.")
-    _LAST["layout"] = (kinds, names, layout)   # for errors the network raises on a micro-batch (_errors)
+    _LAST["layout"] = (kinds, names, layout)   # for errors the network raises on a micro-batch (_contract)
     return layout
 
 
@@ -270,7 +270,8 @@ def failure_context(cls_name: str, micro_size: int, check_rows: int = 0) -> str:
 
 
 def last_layout():
-    """``(kinds, names, layout)`` of the inputs :func:`plan_inputs` last planned, or None (see _errors)."""
+    """``(kinds, names, layout)`` of the inputs :func:`plan_inputs` last planned, or None (for
+    _contract.micro_batch_context)."""
     return _LAST["layout"]
 
 

@@ -12,11 +12,10 @@ from ms_gradaccum._cell import GradAccumulationCell
 from ms_gradaccum._contract import PreparedCalls
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
-from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES, parallel_mode
-from ms_gradaccum._mindspore.surroundings import discover
-from ms_gradaccum._reduce import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
+from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, discover, parallel_mode
+from ms_gradaccum._parallel import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._kinds import LossKind
-from ms_gradaccum._spec import LossSpec
+from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._validation import (argument_error, check_cell, check_has_parameters, check_positive_int,
                                       foreign_optimizer_error)
 from ms_gradaccum._window import StateUnderOptimizer, Window

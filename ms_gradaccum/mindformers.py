@@ -55,8 +55,8 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._mindspore.patches import Patch
-from ms_gradaccum._mindspore.routing import PARALLEL_PASS_MODES
-from ms_gradaccum._spec import LossSpec
+from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES
+from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
 from ms_gradaccum._validation import argument_error, check_bool, check_positive_float, check_positive_int
 

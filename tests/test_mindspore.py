@@ -14,7 +14,7 @@ import pytest
 from mindspore import nn, Parameter, Tensor
 
 from ms_gradaccum import _buffers
-from ms_gradaccum._mindspore import graph, routing, surroundings, version
+from ms_gradaccum._mindspore import graph, surroundings, version
 from launch import repo_env
 
 pytestmark = pytest.mark.lowest
@@ -158,8 +158,8 @@ def test_mindspore_model_routes_by_class_name():
     class GradAccumulation(nn.Cell):
         def construct(self, x):
             return x
-    assert _is_grad_accumulation(GradAccumulation()) and GradAccumulation().cls_name in routing.ROUTED_NAMES
-    assert not _is_grad_accumulation(routing.ParallelPassMarkers(nn.Dense(2, 2), 2))
+    assert _is_grad_accumulation(GradAccumulation()) and GradAccumulation().cls_name in surroundings.ROUTED_NAMES
+    assert not _is_grad_accumulation(surroundings.ParallelPassMarkers(nn.Dense(2, 2), 2))
 
 
 def test_mindspore_enclosing_cells_found_from_the_stack():

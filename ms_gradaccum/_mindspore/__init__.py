@@ -3,11 +3,10 @@
 place: the loss contract's eager pass puts back what cells' own ``__call__`` set (``_contract.call_state_kept``).
 
 - :mod:`.version`: the supported versions (checked on import) and what differs between them.
-- :mod:`.routing`: how ``Model`` routes a cell by name; the parallel context.
 - :mod:`.graph`: Python run while a graph compiles; eager execution from anywhere.
-- :mod:`.surroundings`: the cells and the gradient call around a cell, found on the stack.
+- :mod:`.surroundings`: the cells and the gradient call around a cell, found on the stack; how ``Model`` routes a
+  cell by name and the parallel context; a Cell's own Parameter dict and precision flags.
 - :mod:`.patches`: the process-wide changes, each with ``install()`` and ``uninstall()``.
-- :mod:`.cells`: a Cell's own Parameter dict and precision flags.
 """
 from ms_gradaccum._mindspore import version
 

@@ -5,7 +5,7 @@ from typing import Optional
 from mindone.trainers.ema import EMA
 from mindspore import nn, ops
 
-from ms_gradaccum._spec import LossSpec
+from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
 from ms_gradaccum._validation import argument_error, check_bool, check_int, check_positive_float, check_positive_int
 

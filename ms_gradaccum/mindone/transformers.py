@@ -21,7 +21,7 @@ from mindone.transformers.mindspore_adapter.clip_grad import clip_grad_norm
 from mindone.transformers.mindspore_adapter.train_onestep_wrapper import TrainOneStepWrapper as _AdapterWrapper
 from mindspore import nn
 
-from ms_gradaccum._spec import LossSpec
+from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
 
 __all__ = ["Trainer"]
