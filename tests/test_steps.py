@@ -230,13 +230,19 @@ def test_loss_scale_nested_grad_accumulationcell_rejected():
 @pytest.mark.realmodels
 @pytest.mark.parametrize("module, name", [("ms_gradaccum.mindformers", "GradAccumulationWrapper"),
                                           ("ms_gradaccum.mindone", "TrainOneStepWrapper"),
-                                          ("ms_gradaccum.mindone.transformers", "TrainerStep")])
+                                          ("ms_gradaccum.mindone.transformers", "TrainerStep"),
+                                          ("ms_gradaccum.mindcv", "TrainStep"),
+                                          ("ms_gradaccum.mindocr", "TrainOneStepWrapper")])
 def test_steps_adapters_use_only_the_public_hooks(module, name):
     """The zoo adapters change the train step through the documented hooks only: none defines a member whose name
-    starts with one underscore (an override of, or an addition beside, the package's private machinery)."""
+    starts with one underscore (an override of, or an addition beside, the package's private machinery), nor does a
+    base they share below AccumulatingTrainOneStepCell (_zoo_step)."""
     adapter = getattr(pytest.importorskip(module), name)
     assert issubclass(adapter, AccumulatingTrainOneStepCell)
-    private = [member for member in vars(adapter) if member.startswith("_") and not member.startswith("__")]
+    members = {}
+    for cls in adapter.__mro__[:adapter.__mro__.index(AccumulatingTrainOneStepCell)]:
+        members.update({member: cls.__name__ for member in vars(cls) if member not in members})
+    private = [member for member in members if member.startswith("_") and not member.startswith("__")]
     assert private == [], f"{name} defines {private}"
     hooks = {"transform_gradients", "after_optimizer_step", "construct", "transforms_gradients"}
-    assert hooks & set(vars(adapter)), f"{name} uses none of the hooks: the check would pass on any class"
+    assert hooks & set(members), f"{name} uses none of the hooks: the check would pass on any class"

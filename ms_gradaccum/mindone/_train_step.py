@@ -3,16 +3,14 @@ accumulation."""
 from typing import Optional
 
 from mindone.trainers.ema import EMA
-from mindspore import nn, ops
+from mindspore import nn
 
-from ms_gradaccum._kinds import LossSpec
-from ms_gradaccum._steps import AccumulatingTrainOneStepCell
-from ms_gradaccum._validation import argument_error, check_bool, check_int, check_positive_float, check_positive_int
+from ms_gradaccum._zoo_step import ZooTrainOneStepWrapper
 
 _NAME = "TrainOneStepWrapper"
 
 
-class TrainOneStepWrapper(AccumulatingTrainOneStepCell):
+class TrainOneStepWrapper(ZooTrainOneStepWrapper):
     r"""
     mindone's ``TrainOneStepWrapper`` (same constructor, same outputs ``(loss, overflow, loss scale)``) whose
     accumulation is exact: the optimizer steps once every `gradient_accumulation_steps` calls with the update the full
@@ -47,55 +45,21 @@ class TrainOneStepWrapper(AccumulatingTrainOneStepCell):
         ``CPU``: with mindone 0.5.0 in CI, around networks that run on CPU. Not run on Ascend or GPU.
     """
 
-    state_under_optimizer = True   # mindone's resume_train_network loads the network and the optimizer only
+    zoo = "mindone"
+    ema_types = (EMA,)
+    ema_type_name = "mindone.trainers.ema.EMA"
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, scale_sense=1.0, ema: Optional[EMA] = None,
                  updates: int = 0, drop_overflow_update: bool = True, gradient_accumulation_steps: int = 1,
                  clip_grad: bool = False, clip_norm: float = 1.0, verbose: bool = False, zero_helper=None, *,
                  micro_size: Optional[int] = None, per_token_loss: Optional[bool] = None, shared_inputs=None,
                  steps_per_epoch: Optional[int] = None, check_loss: Optional[bool] = None):
-        if ema is not None and not isinstance(ema, EMA):
-            raise TypeError(argument_error(_NAME, "ema", "None or mindone.trainers.ema.EMA", ema))
-        if check_int(updates, 0, "the argument 'updates'", "0", _NAME) != 0:
-            raise ValueError(
-                f"For '{_NAME}', the argument 'updates' must be 0, but got {updates}: mindone's wrapper ignores it "
-                f"(the EMA counts its own updates). Give the count to the EMA: EMA(network, updates={updates}).")
-        drop_overflow_update = check_bool(drop_overflow_update, "drop_overflow_update", _NAME)
-        gradient_accumulation_steps = check_positive_int(gradient_accumulation_steps, "gradient_accumulation_steps",
-                                                         _NAME)
-        clip_grad = check_bool(clip_grad, "clip_grad", _NAME)
-        clip_norm = check_positive_float(clip_norm, "clip_norm", _NAME)
-        check_bool(verbose, "verbose", _NAME)
-        # This package's arguments, checked under this class's name (the core checks them again under its own).
-        LossSpec.of(_NAME, micro_size=micro_size, per_token_loss=per_token_loss, shared_inputs=shared_inputs,
-                    check_loss=check_loss)
-        if steps_per_epoch is not None:
-            check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
         if zero_helper is not None:
             raise ValueError(
                 f"For '{_NAME}', the argument 'zero_helper' must be None, but got {type(zero_helper).__name__}: ZeRO "
                 f"shards the gradients and the optimizer state across devices, and this wrapper sums whole gradients "
                 f"over the window. Train without ZeRO (zero_stage=0), or with mindone's own wrapper.")
-        super().__init__(network, optimizer, gradient_accumulation_steps, micro_size=micro_size,
+        super().__init__(network, optimizer, scale_sense, ema, updates, drop_overflow_update,
+                         gradient_accumulation_steps, clip_grad, clip_norm, verbose, micro_size=micro_size,
                          per_token_loss=per_token_loss, shared_inputs=shared_inputs, steps_per_epoch=steps_per_epoch,
-                         scale_sense=scale_sense, max_grad_norm=clip_norm if clip_grad else None,
                          check_loss=check_loss)
-        self.ema = ema
-        self.skips_overflow = drop_overflow_update
-        self.clip_norm, self.verbose = clip_norm, verbose
-
-    @property
-    def drop_overflow_update(self) -> bool:
-        """mindone's name for whether an overflowing window's step is skipped."""
-        return self.skips_overflow
-
-    @property
-    def clip_grad(self) -> bool:
-        """mindone's name for whether the window's gradient is clipped (to `clip_norm`)."""
-        return self.clip
-
-    def after_optimizer_step(self, stepped):
-        """The EMA, once per optimizer step, on the updated weights."""
-        if self.ema is not None:
-            stepped = ops.depend(stepped, self.ema.ema_update())
-        return stepped
