@@ -1,5 +1,8 @@
-"""GradAccumulationScheduler: change accumulate_steps at epoch boundaries, like Lightning's callback."""
-from typing import Dict
+"""GradAccumulationScheduler: change accumulate_steps at epoch boundaries, like Lightning's callback; and the warning
+for a learning-rate list paced per batch while the optimizer steps once per window."""
+import math
+import warnings
+from typing import Dict, List
 
 from mindspore import nn
 from mindspore.train import Callback
@@ -63,9 +66,15 @@ class GradAccumulationScheduler(Callback):
         return [steps for start, steps in self.scheduling.items() if start <= epoch][-1]
 
     def on_train_begin(self, run_context):
-        self._cell = _find_accumulating_cell(run_context.original_args().train_network)
+        args = run_context.original_args()
+        self._cell = _find_accumulating_cell(args.train_network)
         # Tells the cell that every epoch's last window is closed here (it warns when nothing does).
         self._cell.window.closed_at_epoch_end = True
+        epochs, batches = int(args.epoch_num), int(args.batch_num)
+        warn_per_batch_schedule(_NAME, self._cell.optimizer, [batches] * epochs,
+                                [self.accumulate_steps_for(epoch) for epoch in range(epochs)],
+                                "a list with one entry per optimizer step (for mindcv's schedulers, "
+                                "ms_gradaccum.mindcv.create_scheduler(..., gradient_accumulation_steps=K))")
 
     def on_train_epoch_begin(self, run_context):
         # cur_epoch_num is one-based and already counts the epoch that is starting.
@@ -85,3 +94,22 @@ def _find_accumulating_cell(network: nn.Cell) -> AccumulatingTrainOneStepCell:
     raise TypeError(f"For '{_NAME}', Model's train network must be or contain an AccumulatingTrainOneStepCell, but "
                     f"got {type(network).__name__}. Build it as Model(AccumulatingTrainOneStepCell(loss_net, "
                     f"optimizer, accumulate_steps)) without the optimizer argument.")
+
+
+def warn_per_batch_schedule(cls_name: str, optimizer: nn.Optimizer, batches: List[int], steps: List[int],
+                            helper: str) -> None:
+    """One UserWarning when the optimizer's learning-rate list has one entry per batch while it steps once per window
+    (`batches` and `steps`: each epoch's batches and accumulate_steps): the schedule would run K times slow, its
+    warm-up and decay epochs too. `helper` says how to build it per optimizer step. Lists only: a
+    ``LearningRateSchedule`` is a function of the step, which the caller builds knowing what a step is."""
+    entries = getattr(optimizer.learning_rate, "learning_rate", None)   # a list: _IteratorLearningRate's Parameter
+    if not optimizer.dynamic_lr or optimizer.is_group_lr or entries is None or all(k == 1 for k in steps):
+        return
+    length, per_batch = int(entries.shape[0]), sum(batches)
+    optimizer_steps = sum(math.ceil(b / k) for b, k in zip(batches, steps))
+    if length == per_batch != optimizer_steps:
+        warnings.warn(
+            f"{cls_name}: the optimizer's learning-rate list has {length} entries, one per batch ({len(batches)} "
+            f"epochs x {batches[0]} batches), but the optimizer steps once per window: {optimizer_steps} optimizer "
+            f"steps. The schedule would run about {per_batch / optimizer_steps:.1f}x slow (its warm-up and decay "
+            f"epochs too). Build it per optimizer step: {helper}.", UserWarning, stacklevel=3)

@@ -13,7 +13,6 @@ overflow skip on every device. The learning-rate schedule then has one entry per
 :func:`create_scheduler` (mindcv's arguments and ``gradient_accumulation_steps``). Guide: ``docs/mindcv.md``.
 """
 import math
-import warnings
 from typing import Optional, Union
 
 try:
@@ -31,6 +30,7 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
 from mindspore.train import DynamicLossScaleManager, FixedLossScaleManager, Model
 
+from ms_gradaccum._scheduler import warn_per_batch_schedule
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell
 from ms_gradaccum._validation import argument_error, check_bool, check_positive_float, check_positive_int
 
@@ -91,25 +91,10 @@ class AccumulatingModel(Model):
                 f"Model.train has {batches} batches per epoch. Leave steps_per_epoch out (the dataset's is read), or "
                 f"give the dataset's.")
         step.set_steps_per_epoch(batches)
-        warn_per_batch_schedule(step.optimizer, epoch, batches, step.accumulate_steps)
+        warn_per_batch_schedule(_NAME, step.optimizer, [batches] * epoch, [step.accumulate_steps] * epoch,
+                                f"ms_gradaccum.mindcv.create_scheduler({batches}, ..., "
+                                f"gradient_accumulation_steps={step.accumulate_steps})")
         return super().train(epoch, train_dataset, *args, **kwargs)
-
-
-def warn_per_batch_schedule(optimizer: nn.Optimizer, epochs: int, batches: int, steps: int) -> None:
-    """One UserWarning when the optimizer's learning-rate list has one entry per batch (``epochs * batches``) while it
-    steps once per window: the schedule would run `steps` times slow (a warm-up of 3 epochs lasting 3K)."""
-    windows = epochs * math.ceil(batches / steps)
-    entries = getattr(optimizer.learning_rate, "learning_rate", None)   # a list: _IteratorLearningRate's Parameter
-    if not optimizer.dynamic_lr or optimizer.is_group_lr or entries is None or steps == 1:
-        return
-    length = int(entries.shape[0])
-    if length == epochs * batches != windows:
-        warnings.warn(
-            f"{_NAME}: the optimizer's learning-rate list has {length} entries, one per batch ({epochs} epochs x "
-            f"{batches} batches), but with gradient_accumulation_steps={steps} the optimizer steps once per window: "
-            f"{windows} optimizer steps. The schedule would run {steps}x slow (its warm-up and decay epochs too). "
-            f"Build it per optimizer step: ms_gradaccum.mindcv.create_scheduler({batches}, ..., "
-            f"gradient_accumulation_steps={steps}).", UserWarning, stacklevel=3)
 
 
 def _loss_scale(loss_scale_type: str, loss_scale: float, drop_overflow_update: bool):

@@ -210,3 +210,22 @@ def test_scheduler_epoch_stopped_early_applies_what_it_ran():
     model.train(1, _dataset(), callbacks=[GradAccumulationScheduler({0: 4}), StopAfter()], dataset_sink_mode=False)
     assert_params_close(params_of(net), expected, rtol=1e-5, atol=1e-6)
     assert cell.pending_batches == 0
+
+
+def test_scheduler_warns_when_the_learning_rate_list_is_paced_per_batch():
+    # 2 epochs of 8 batches, windows of 4 then 2: 2 + 4 = 6 optimizer steps. A list of 16 entries (one per batch) would
+    # run the schedule 2.7x slow: warned once, naming both lengths and how to build it; one of 6 entries is not.
+    net = make_mlp()
+    per_batch = list(np.linspace(0.1, 0.01, 2 * STEPS_PER_EPOCH).astype(np.float32))
+    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), nn.SGD(net.trainable_params(), per_batch), 1)
+    with pytest.warns(UserWarning, match=r"16 entries, one per batch \(2 epochs x 8 batches\).*6 optimizer steps.*"
+                                         r"one entry per optimizer step") as caught:
+        Model(cell).train(2, _dataset(), callbacks=[GradAccumulationScheduler({0: 4, 1: 2})], dataset_sink_mode=False)
+    assert sum("one per batch" in str(w.message) for w in caught) == 1
+    assert int(cell.optimizer.global_step.asnumpy().reshape(-1)[0]) == 6   # the list's 7th to 16th entries never used
+    net = make_mlp()
+    per_step = list(np.linspace(0.1, 0.01, 6).astype(np.float32))
+    cell = AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), nn.SGD(net.trainable_params(), per_step), 1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*one per batch.*")
+        Model(cell).train(2, _dataset(), callbacks=[GradAccumulationScheduler({0: 4, 1: 2})], dataset_sink_mode=False)
