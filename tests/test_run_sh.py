@@ -108,11 +108,21 @@ def _job_processes(marker: str) -> list:
     return found
 
 
+# A terminal starts its foreground command with SIGHUP and SIGINT at their defaults. A test run started under nohup,
+# or in the background of a script, ignores them, and bash cannot trap a signal ignored when it started (POSIX): so
+# the job's bash gets the defaults back first, then replaces the helper (exec: the same process).
+_AS_A_TERMINAL = ("import os, signal, sys\n"
+                  "for number in (signal.SIGHUP, signal.SIGINT):\n"
+                  "    signal.signal(number, signal.SIG_DFL)\n"
+                  "os.execvp('bash', ['bash'] + sys.argv[1:])\n")
+
+
 def _start_job(tmp_path, launcher: str, marker: str, *args: str) -> subprocess.Popen:
     """run.sh with 2 workers in a process group of its own, as a terminal runs a foreground command."""
     env = _run_sh_env(tmp_path, "logs", MS_GRADACCUM_TEST_RUN=marker, LAUNCHER=launcher)
-    return subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), "2", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-c", _AS_A_TERMINAL, os.path.join(REPO, "run.sh"), "2", *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def _stop_and_time(job, marker: str, send, bound: float) -> tuple:
