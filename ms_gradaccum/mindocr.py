@@ -12,9 +12,6 @@ none of it. Its EMA (``mindocr.utils.ema.EMA``) is taken as anything with ``ema_
 importing this module raises ImportError naming the install. Guide: ``docs/mindcv.md`` ("mindocr").
 """
 import importlib.util
-from typing import Optional
-
-from mindspore import nn
 
 from ms_gradaccum._zoo_step import ZooTrainOneStepWrapper
 
@@ -62,13 +59,3 @@ class TrainOneStepWrapper(ZooTrainOneStepWrapper):
 
     zoo = "mindocr"
     ema_type_name = "mindocr.utils.ema.EMA (anything with ema_update())"
-
-    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, scale_sense=1.0, ema=None, updates: int = 0,
-                 drop_overflow_update: bool = True, gradient_accumulation_steps: int = 1, clip_grad: bool = False,
-                 clip_norm: float = 1.0, verbose: bool = False, *, micro_size: Optional[int] = None,
-                 per_token_loss: Optional[bool] = None, shared_inputs=None, steps_per_epoch: Optional[int] = None,
-                 check_loss: Optional[bool] = None):
-        super().__init__(network, optimizer, scale_sense, ema, updates, drop_overflow_update,
-                         gradient_accumulation_steps, clip_grad, clip_norm, verbose, micro_size=micro_size,
-                         per_token_loss=per_token_loss, shared_inputs=shared_inputs, steps_per_epoch=steps_per_epoch,
-                         check_loss=check_loss)
