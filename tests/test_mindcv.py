@@ -294,6 +294,12 @@ def test_mindcv_resnet_with_batch_norm_is_warned_not_claimed_exact():
     with pytest.warns(UserWarning, match=r"BatchNorm"):
         create_trainer(net, nn.CrossEntropyLoss(), nn.SGD(net.trainable_params(), 0.1), {"accuracy"}, "O0", None,
                        "fixed", gradient_accumulation_steps=K)
+    # Control: the ViT (LayerNorm only) is not warned about BatchNorm.
+    vit = _vit()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*BatchNorm.*")
+        create_trainer(vit, nn.CrossEntropyLoss(), nn.SGD(vit.trainable_params(), 0.1), {"accuracy"}, "O0", None,
+                       "fixed", gradient_accumulation_steps=K)
 
 
 @pytest.mark.slow
