@@ -70,9 +70,21 @@ def random_cells(network: nn.Cell) -> list:
     return found
 
 
+def micro_batch_rows(batch: int, micro_size: int) -> list:
+    """The rows of each micro-batch of a batch, in order (the larger first)."""
+    return [rows for count, rows in plan(batch, micro_size) for _ in range(count)]
+
+
 def first_two_rows(batch: int, micro_size: int) -> list:
     """The rows of the first two micro-batches (one entry when a batch holds only one)."""
-    return [rows for count, rows in plan(batch, micro_size) for _ in range(count)][:2]
+    return micro_batch_rows(batch, micro_size)[:2]
+
+
+def split_as_compiled(engine: nn.Cell, inputs: tuple) -> tuple:
+    """``(split, shared, constants, layout)`` of the owner's `inputs`, laid out as the engine's graph lays them out."""
+    layout = plan_inputs(engine.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
+                         engine.micro_size)
+    return partition(inputs, layout) + (layout,)
 
 
 @primexpr
@@ -264,9 +276,7 @@ class ContractCheck(PrecisionNeutral):
         network = self._scaled_loss.loss_of_inputs.network
         split = None
         try:
-            layout = plan_inputs(self.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
-                                 self.micro_size)
-            split, shared, constants = partition(inputs, layout)
+            split, shared, constants, layout = split_as_compiled(engine, inputs)
             sizes = first_two_rows(split[0].shape[0], self.micro_size)
             if pair and len(sizes) < 2:
                 return None
@@ -447,10 +457,8 @@ def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: int) -> Optional[bo
     """Whether the network fails eagerly on the first `micro_batches` micro-batches of `inputs`; None where that
     cannot be tried."""
     try:
-        layout = plan_inputs(engine.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
-                             engine.micro_size)
-        split, shared, constants = partition(inputs, layout)
-        sizes = [rows for count, rows in plan(split[0].shape[0], engine.micro_size) for _ in range(count)]
+        split, shared, constants, layout = split_as_compiled(engine, inputs)
+        sizes = micro_batch_rows(split[0].shape[0], engine.micro_size)
     except Exception:  # pylint: disable=broad-except
         return None
     if len(sizes) < micro_batches:
@@ -481,24 +489,18 @@ def micro_batch_context(error: Exception, args: tuple) -> Optional[str]:
             return None
         if not one:
             if engine.contract.in_graph and _fails_on(engine, inputs, 2):
-                return _contract_context(engine, inputs)
+                return _contract_context(engine)
             return None
     elif not _network_call_in(str(error), engine):
         return None
-    return _loop_context(engine, inputs)
+    return failure_context(engine.owner_name, engine.micro_size) if last_layout() is not None else None
 
 
-def _loop_context(engine: nn.Cell, inputs: Optional[tuple]) -> Optional[str]:   # pylint: disable=unused-argument
-    if last_layout() is None:
-        return None
-    return failure_context(engine.owner_name, engine.micro_size)
-
-
-def _contract_context(engine: nn.Cell, inputs: tuple) -> Optional[str]:
+def _contract_context(engine: nn.Cell) -> Optional[str]:
     if last_layout() is None:
         return None
     _, _, batch, rows = last_split(engine.micro_size)
-    sizes = sorted((r for count, r in plan(batch, engine.micro_size) for _ in range(count)), reverse=True)
+    sizes = micro_batch_rows(batch, engine.micro_size)
     return (f"For '{engine.owner_name}', the error above was raised by the network running on the loss contract's "
             f"check: the first two micro-batches together ({sum(sizes[:2])} rows; micro_size={engine.micro_size} "
             f"splits the batch of {batch} rows into micro-batches of {' and '.join(str(r) for r in rows)}). A network "

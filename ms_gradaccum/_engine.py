@@ -160,6 +160,7 @@ class MicroBatchGradients(PrecisionNeutral):
         self.shared_inputs = spec.shared_inputs
         self.input_names = input_names(network)
         self.checks_counts = spec.kind.checks_counts
+        self.kind_setting = spec.kind.setting   # names the kind in the count's messages
         self.overwrite = overwrite
         self.owner_name = cls_name
         object.__setattr__(self, "_targets", targets)   # a bound method of the owner, not a child cell
@@ -236,11 +237,11 @@ class MicroBatchGradients(PrecisionNeutral):
 
     def _check_counts(self, smallest, finite):
         if finite < 1:
-            raise ValueError(f"For '{self.owner_name}', with per_token_loss=True the count returned by 'network' must "
+            raise ValueError(f"For '{self.owner_name}', with {self.kind_setting} the count returned by 'network' must "
                              f"be a finite number >= 0 (e.g. the number of valid tokens), but a micro-batch returned a "
                              f"non-finite count (inf or nan).")
         if smallest < 0:
-            raise ValueError(f"For '{self.owner_name}', with per_token_loss=True the count returned by 'network' must "
+            raise ValueError(f"For '{self.owner_name}', with {self.kind_setting} the count returned by 'network' must "
                              f"be a finite number >= 0 (e.g. the number of valid tokens), but a micro-batch returned "
                              f"{readable(smallest)}.")
         return smallest

@@ -39,7 +39,7 @@ class TrainerStep(AccumulatingTrainOneStepCell):
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, micro_size: int, max_grad_norm: float,
                  spec: LossSpec):
-        super().__init__(network, optimizer, 1, micro_size=micro_size, per_token_loss=spec.per_token_loss,
+        super().__init__(network, optimizer, 1, micro_size=micro_size, kind=spec.kind,
                          shared_inputs=spec.shared_inputs, scale_sense=_LOSS_SCALE, check_loss=spec.check_loss)
         self.max_norm = max_grad_norm
 
@@ -128,7 +128,7 @@ class Trainer(_MindoneTrainer):
             raise TypeError(f"For '{_NAME}', mindone's _wrap_model built {type(built).__name__}, not its "
                             f"TrainOneStepWrapper: this mindone version is not the one ms_gradaccum adapts (0.5.0).")
         loss_network = built.network.network   # LossWithScaleSense(loss network, scaler)
-        if self.accumulation_spec.per_token_loss:
+        if self.accumulation_spec.kind.returns_count:
             if self.label_smoother is not None:
                 raise ValueError(
                     f"For '{_NAME}', per_token_loss=True cannot be combined with label smoothing "
