@@ -119,38 +119,44 @@ log_dir="${LOG_DIR:-log_output}"
 case "$log_dir" in /*) checkpoint_dir="$log_dir/checkpoints" ;; *) checkpoint_dir="$PWD/$log_dir/checkpoints" ;; esac
 script="sample_code/distributed_gradient_accumulation/train.py"
 
-# 1. The Python to run with. The package's own import refuses a MindSpore outside its range, so "it imports" is
-# the test; the checkout is used in place (PYTHONPATH), never installed into the active environment.
+# 1. The Python to run with, and the checks before anything is launched, in one run of train.py --validate-only:
+# bad train.py arguments, a missing or malformed DATA_PATH, a device target MindSpore cannot use here, semi-auto
+# parallel on CPU, a resume with other settings (exit 2 with argparse's message). It writes the built-in dataset once,
+# before the ranks start (so they do not all build it at the same time), and prints the Python's path and the data's.
+# The checkout is used in place (PYTHONPATH), never installed into the active environment. Where that run fails
+# because the Python cannot import what the job needs (the package's own import refuses a MindSpore outside its
+# range), a virtual environment of its own gets them, once.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+ranks=$((workers * nnodes))
 needs="import ms_gradaccum"
 [ -z "${DATA_PATH:-}" ] && needs="$needs, sklearn"     # the built-in digits are made with scikit-learn
+validate() {   # $1: the python; prints "validated: python=..." and "validated: data=..." when the job may start
+  MS_WORKER_NUM="$ranks" "$1" "$script" --validate-only --device-target "$device_target" --save-dir "$checkpoint_dir" \
+    "${@:2}"
+}
 python="${PYTHON:-python3}"
-if ! (cd / && "$python" -c "$needs") >/dev/null 2>&1; then
+checked="$(mktemp)"
+if ! validated="$(validate "$python" "$@" 2>"$checked")"; then
+  if (cd / && "$python" -c "$needs") >/dev/null 2>&1; then
+    cat "$checked" >&2; rm -f "$checked"; exit 2      # the Python has what it needs: the arguments are wrong
+  fi
   venv="${RUN_SH_VENV:-$PWD/.venv}"
   if ! (cd / && "$venv/bin/python" -c "$needs") >/dev/null 2>&1; then
     echo "run.sh: $python has no supported MindSpore (or no scikit-learn); installing them into $venv (once):" \
          "about 2.8 GB and 1 to 4 minutes (53 s and 220 s measured on two fresh machines)..."
     { [ -x "$venv/bin/python" ] || python3 -m venv "$venv"; } &&
       "$venv/bin/python" -m pip install -q -e ".[sample]" ||
-      { echo "run.sh: could not install MindSpore and scikit-learn into $venv (see pip's message above)." >&2; exit 2; }
+      { echo "run.sh: could not install MindSpore and scikit-learn into $venv (see pip's message above)." >&2
+        rm -f "$checked"; exit 2; }
   fi
-  python="$venv/bin/python"
+  validated="$(validate "$venv/bin/python" "$@")" || { rm -f "$checked"; exit 2; }
 fi
-python="$(cd / && "$python" -c "import sys; print(sys.executable)")"
+rm -f "$checked"
+python="$(sed -n 's/^validated: python=//p' <<<"$validated")"
+DATA_PATH="$(sed -n 's/^validated: data=//p' <<<"$validated")"
+export DATA_PATH
 # msrun and its workers, and mpirun's, run the python first on PATH: make it this one.
 export PATH="$(dirname "$python"):$PATH"
-
-# 2. Checks before anything is launched: bad train.py arguments, a missing or malformed DATA_PATH, a device
-# target MindSpore cannot use here, semi-auto parallel on CPU. Exit 2 with argparse's message.
-# Write the built-in dataset once, before the ranks start, so they do not all build it at the same time.
-if [ -z "${DATA_PATH:-}" ]; then
-  DATA_PATH="$("$python" -c "import sys; sys.path.insert(0, 'sample_code/distributed_gradient_accumulation'); \
-from builtin_digits import ensure_digits_mnist; print(ensure_digits_mnist())")"
-fi
-export DATA_PATH
-ranks=$((workers * nnodes))
-MS_WORKER_NUM="$ranks" "$python" "$script" --validate-only --device-target "$device_target" --save-dir "$checkpoint_dir" \
-  "$@" >/dev/null || exit 2
 export GLOG_v="${GLOG_v:-3}"            # MindSpore: errors only, keeps the per-rank logs readable
 export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-10}"   # a dead rank is noticed in seconds, not minutes
 

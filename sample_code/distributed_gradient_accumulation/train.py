@@ -370,7 +370,8 @@ def prepare_checkpoints(args, model: Model, rank: int, group: int, steps: int, s
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.validate_only:
+    if args.validate_only:   # run.sh's check before it launches: the Python and the data the ranks are to use
+        print(f"validated: python={sys.executable}\nvalidated: data={args.data_path or ensure_digits_mnist()}")
         return 0
     ms.set_context(mode=ms.GRAPH_MODE, device_target=args.device_target)
     ms.set_seed(SEED)
