@@ -136,9 +136,13 @@ validate() {   # $1: the python; prints "validated: python=..." and "validated: 
 }
 python="${PYTHON:-python3}"
 checked="$(mktemp)"
-if ! validated="$(validate "$python" "$@" 2>"$checked")"; then
-  if (cd / && "$python" -c "$needs") >/dev/null 2>&1; then
-    cat "$checked" >&2; rm -f "$checked"; exit 2      # the Python has what it needs: the arguments are wrong
+status=0
+validated="$(validate "$python" "$@" 2>"$checked")" || status=$?
+if [ "$status" -ne 0 ]; then
+  # 2: argparse's refusal. Another status (an import that failed) is the arguments' only where the Python has what the
+  # job needs.
+  if [ "$status" -eq 2 ] || (cd / && "$python" -c "$needs") >/dev/null 2>&1; then
+    cat "$checked" >&2; rm -f "$checked"; exit 2
   fi
   venv="${RUN_SH_VENV:-$PWD/.venv}"
   if ! (cd / && "$venv/bin/python" -c "$needs") >/dev/null 2>&1; then
