@@ -61,6 +61,11 @@ def buffer_dtype(weight: Parameter):
     return mstype.float32 if weight.dtype in _LOW_PRECISION else weight.dtype
 
 
+def dtypes_match(weights, buffers) -> bool:
+    """Whether every buffer holds its weight's dtype (float32 sums of float16 weights do not)."""
+    return all(buffer.dtype == weight.dtype for weight, buffer in zip(weights, buffers))
+
+
 class GradientBuffers(nn.Cell):
     """The ``accu_grads.<weight>`` buffers of a cell (`prefix` ``.<weight>``), one per trained weight, created when
     first asked for.

@@ -19,7 +19,7 @@ import mindspore as ms
 from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._buffers import add_gradients, zero_buffers
+from ms_gradaccum._buffers import add_gradients, dtypes_match, zero_buffers
 from ms_gradaccum import _contract
 from ms_gradaccum._contract import ContractCheck
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
@@ -193,8 +193,7 @@ class MicroBatchGradients(PrecisionNeutral):
     def adds_with_cast(self) -> bool:
         """Whether a buffer's dtype differs from its weight's (float32 sums of float16 weights): only then is each
         gradient cast before it is added (a Cast per weight is compiled even where it does nothing)."""
-        weights, buffers = self._targets()
-        return any(buffer.dtype != weight.dtype for weight, buffer in zip(weights, buffers))
+        return not dtypes_match(*self._targets())
 
     def _value_and_grads(self, micro, scale, rows, unit):
         return ms.value_and_grad(self.scaled_loss, None, self.weights)(micro, scale, rows, unit)

@@ -137,7 +137,7 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
             not isinstance(optimizer, (nn.AdaSumByGradWrapCell, nn.AdaSumByDeltaWeightWrapCell))
         if self.reduce_in_place:
             self.in_place_reducer = InPlaceAllReduce(self.grad_reducer)
-        self.buffers_match_weights = all(b.dtype == w.dtype for b, w in zip(self.grad_sums, self.weights))
+        self.buffers_match_weights = _buffers.dtypes_match(self.weights, self.grad_sums)
         self.window = Window(accumulate_steps, steps_per_epoch or 0, _NAME)
         self.hyper_map = ops.HyperMap()
         self.clip = max_grad_norm is not None
