@@ -138,11 +138,12 @@ python="${PYTHON:-python3}"
 checked="$(mktemp)"
 status=0
 validated="$(validate "$python" "$@" 2>"$checked")" || status=$?
+refusal="$(cat "$checked")"; rm -f "$checked"
 if [ "$status" -ne 0 ]; then
   # 2: argparse's refusal. Another status (an import that failed) is the arguments' only where the Python has what the
   # job needs.
   if [ "$status" -eq 2 ] || (cd / && "$python" -c "$needs") >/dev/null 2>&1; then
-    cat "$checked" >&2; rm -f "$checked"; exit 2
+    printf '%s\n' "$refusal" >&2; exit 2
   fi
   venv="${RUN_SH_VENV:-$PWD/.venv}"
   if ! (cd / && "$venv/bin/python" -c "$needs") >/dev/null 2>&1; then
@@ -150,12 +151,10 @@ if [ "$status" -ne 0 ]; then
          "about 2.8 GB and 1 to 4 minutes (53 s and 220 s measured on two fresh machines)..."
     { [ -x "$venv/bin/python" ] || python3 -m venv "$venv"; } &&
       "$venv/bin/python" -m pip install -q -e ".[sample]" ||
-      { echo "run.sh: could not install MindSpore and scikit-learn into $venv (see pip's message above)." >&2
-        rm -f "$checked"; exit 2; }
+      { echo "run.sh: could not install MindSpore and scikit-learn into $venv (see pip's message above)." >&2; exit 2; }
   fi
-  validated="$(validate "$venv/bin/python" "$@")" || { rm -f "$checked"; exit 2; }
+  validated="$(validate "$venv/bin/python" "$@")" || exit 2
 fi
-rm -f "$checked"
 python="$(sed -n 's/^validated: python=//p' <<<"$validated")"
 DATA_PATH="$(sed -n 's/^validated: data=//p' <<<"$validated")"
 export DATA_PATH
