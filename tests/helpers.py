@@ -323,3 +323,42 @@ class ClippedStep(nn.TrainOneStepCell):
     def construct(self, *inputs):
         loss, grads = ms.value_and_grad(self.network, None, self.weights)(*inputs)
         return ops.depend(loss, self.optimizer(ops.clip_by_global_norm(grads, self.max_norm)))
+
+
+# --- The zoos' train steps (mindocr, mindone): the MLP trained in windows of batches --------------------------------
+
+def zoo_batches(rows: Sequence[int], seed: int = 0) -> List[tuple]:
+    """One ``(x, label)`` NumPy batch of the 16-feature MLP's data per entry of `rows`, of that many rows."""
+    rng = np.random.RandomState(seed)
+    return [(rng.randn(r, 16).astype(np.float32), rng.randint(0, 4, r).astype(np.int32)) for r in rows]
+
+
+def window_reference(batches: Sequence[tuple], windows: Sequence[int], optimizer: str = "sgd",
+                     make_ema: Callable = None, clip: float = None) -> tuple:
+    """``(params, ema)``: plain ``nn.TrainOneStepCell`` (``ClippedStep`` with `clip`) on the MLP, one step on each
+    window's rows concatenated (`windows`: batches per window, covering every batch), the EMA ``make_ema(net)``
+    updated after each step."""
+    net = make_mlp()
+    loss_net, opt = nn.WithLossCell(net, ce()), make_optimizer(optimizer, net.trainable_params())
+    step = nn.TrainOneStepCell(loss_net, opt) if clip is None else ClippedStep(loss_net, opt, clip)
+    ema = make_ema(net) if make_ema is not None else None
+    start = 0
+    for size in windows:
+        step(*(Tensor(np.concatenate([b[i] for b in batches[start:start + size]])) for i in range(2)))
+        start += size
+        if ema is not None:
+            ema.ema_update()
+    assert start == len(batches), f"windows {list(windows)} do not cover the {len(batches)} batches"
+    return params_of(net), ema
+
+
+def zoo_step_run(cls, batches: Sequence[tuple], steps: int, optimizer: str = "sgd", make_ema: Callable = None,
+                 **kwargs) -> tuple:
+    """``(params, ema, step, outputs)``: a zoo's train step `cls` (``cls(loss_net, optimizer, ema=...,
+    gradient_accumulation_steps=steps, **kwargs)``) around the MLP, called once per batch."""
+    net = make_mlp()
+    ema = make_ema(net) if make_ema is not None else None
+    step = cls(nn.WithLossCell(net, ce()), make_optimizer(optimizer, net.trainable_params()), ema=ema,
+               gradient_accumulation_steps=steps, **kwargs)
+    outputs = [step(Tensor(x), Tensor(y)) for x, y in batches]
+    return params_of(net), ema, step, outputs

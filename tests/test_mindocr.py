@@ -11,7 +11,8 @@ import mindspore as ms
 import pytest
 from mindspore import nn, Tensor
 
-from helpers import ce, ClippedStep, make_mlp, make_optimizer, max_abs_diff, params_of, update_ratios
+from helpers import (ce, make_mlp, make_optimizer, max_abs_diff, params_of, update_ratios, window_reference,
+                     zoo_batches, zoo_step_run)
 from launch import import_without
 
 if importlib.util.find_spec("mindocr") is None:
@@ -38,34 +39,17 @@ MindocrWrapper = _mindocr("utils.train_step_wrapper").TrainOneStepWrapper
 EMA = _mindocr("utils.ema").EMA
 
 
-def _batches(rows, seed=0):
-    rng = np.random.RandomState(seed)
-    return [(rng.randn(r, 16).astype(np.float32), rng.randint(0, 4, r).astype(np.int32)) for r in rows]
+def _ema(decay):
+    """How the tests make mindocr's EMA (None: none), starting at EMA_START updates."""
+    return None if decay is None else lambda net: EMA(net, ema_decay=decay, updates=EMA_START)
 
 
 def _full_batch(batches, windows, optimizer="sgd", ema_decay=None, clip=None):
-    """Plain nn.TrainOneStepCell on each window's rows concatenated; an EMA updated after each step."""
-    net = make_mlp()
-    opt = make_optimizer(optimizer, net.trainable_params())
-    loss_net = nn.WithLossCell(net, ce())
-    step = nn.TrainOneStepCell(loss_net, opt) if clip is None else ClippedStep(loss_net, opt, clip)
-    ema = None if ema_decay is None else EMA(net, ema_decay=ema_decay, updates=EMA_START)
-    start = 0
-    for size in windows:
-        step(*(Tensor(np.concatenate([b[i] for b in batches[start:start + size]])) for i in range(2)))
-        start += size
-        if ema is not None:
-            ema.ema_update()
-    return params_of(net), ema
+    return window_reference(batches, windows, optimizer, _ema(ema_decay), clip)
 
 
 def _wrapped(cls, batches, steps, optimizer="sgd", ema_decay=None, **kwargs):
-    net = make_mlp()
-    ema = None if ema_decay is None else EMA(net, ema_decay=ema_decay, updates=EMA_START)
-    step = cls(nn.WithLossCell(net, ce()), make_optimizer(optimizer, net.trainable_params()),
-               scale_sense=Tensor(1.0, ms.float32), ema=ema, gradient_accumulation_steps=steps, **kwargs)
-    outputs = [step(Tensor(x), Tensor(y)) for x, y in batches]
-    return params_of(net), ema, step, outputs
+    return zoo_step_run(cls, batches, steps, optimizer, _ema(ema_decay), scale_sense=Tensor(1.0, ms.float32), **kwargs)
 
 
 def _ema_weights(ema):
@@ -76,7 +60,7 @@ def _ema_weights(ema):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_mindocr_wrapper_short_batches_equal_full_batch_and_mindocr_is_off(optimizer):
     # Windows of 3 batches of 8, 8, 5 rows: the mean over the window's 21 rows (mindocr: each batch's mean / 3).
-    batches = _batches([8, 8, 5, 8, 8, 5])
+    batches = zoo_batches([8, 8, 5, 8, 8, 5])
     expected, _ = _full_batch(batches, [3, 3], optimizer)
     initial = params_of(make_mlp())
     ours, _, step, outputs = _wrapped(TrainOneStepWrapper, batches, 3, optimizer)
@@ -92,7 +76,7 @@ def test_mindocr_wrapper_short_batches_equal_full_batch_and_mindocr_is_off(optim
 
 @pytest.mark.slow
 def test_mindocr_wrapper_ema_and_clip_once_per_optimizer_step():
-    batches = _batches([8, 8, 8, 8, 8, 8])
+    batches = zoo_batches([8, 8, 8, 8, 8, 8])
     clip = 0.05   # binding: the window gradients' norms are larger
     expected, full_ema = _full_batch(batches, [3, 3], ema_decay=0.9, clip=clip)
     ours, ema, _, _ = _wrapped(TrainOneStepWrapper, batches, 3, ema_decay=0.9, clip_grad=True, clip_norm=clip)

@@ -11,8 +11,8 @@ import mindspore as ms
 import pytest
 from mindspore import nn, Tensor
 
-from helpers import (assert_params_close, assert_updates_close, ce, ClippedStep, make_mlp, make_optimizer,
-                     max_abs_diff, params_of, update_ratios)
+from helpers import (assert_params_close, assert_updates_close, ce, make_mlp, make_optimizer, max_abs_diff, params_of,
+                     update_ratios, window_reference, zoo_batches, zoo_step_run)
 from launch import import_without, REPO, repo_env
 
 for _module in ("mindone.trainers.train_step", "mindone.transformers"):
@@ -32,41 +32,19 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 EMA_START = 4000
 
 
-def _batches(rows, seed=0):
-    rng = np.random.RandomState(seed)
-    return [(rng.randn(r, 16).astype(np.float32), rng.randint(0, 4, r).astype(np.int32)) for r in rows]
-
-
-def _concat(batches):
-    return tuple(Tensor(np.concatenate([b[i] for b in batches])) for i in range(2))
+def _ema(decay):
+    """How the tests make mindone's EMA (None: none), starting at EMA_START updates."""
+    return None if decay is None else lambda net: EMA(net, ema_decay=decay, updates=EMA_START, offloading=False)
 
 
 def _full_batch(batches, windows, optimizer="sgd", ema_decay=None, clip=None):
-    """Plain nn.TrainOneStepCell on each window's rows concatenated; with an EMA updated after each step."""
-    net = make_mlp()
-    opt = make_optimizer(optimizer, net.trainable_params())
-    loss_net = nn.WithLossCell(net, ce())
-    step = nn.TrainOneStepCell(loss_net, opt) if clip is None else ClippedStep(loss_net, opt, clip)
-    ema = None if ema_decay is None else EMA(net, ema_decay=ema_decay, updates=EMA_START, offloading=False)
-    start = 0
-    for size in windows:
-        step(*_concat(batches[start:start + size]))
-        start += size
-        if ema is not None:
-            ema.ema_update()
-    assert start == len(batches)
-    return params_of(net), ema
+    return window_reference(batches, windows, optimizer, _ema(ema_decay), clip)
 
 
 def _wrapped(cls, batches, steps, optimizer="sgd", ema_decay=None, **kwargs):
-    net = make_mlp()
-    ema = None if ema_decay is None else EMA(net, ema_decay=ema_decay, updates=EMA_START, offloading=False)
     if cls is MindoneWrapper:
         kwargs.setdefault("scale_sense", Tensor(1.0, ms.float32))   # mindone's default 1.0 fails on MindSpore 2.10
-    step = cls(nn.WithLossCell(net, ce()), make_optimizer(optimizer, net.trainable_params()), ema=ema,
-               gradient_accumulation_steps=steps, **kwargs)
-    outputs = [step(Tensor(x), Tensor(y)) for x, y in batches]
-    return params_of(net), ema, step, outputs
+    return zoo_step_run(cls, batches, steps, optimizer, _ema(ema_decay), **kwargs)
 
 
 def _global_step(optimizer):
@@ -82,7 +60,7 @@ def _ema_weights(ema):
 def test_mindone_wrapper_short_batches_equal_full_batch_and_mindone_is_off(optimizer):
     """Windows of [4, 4] and [4, 2] rows: the full batches of 8 and 6 rows. mindone's own wrapper adds each batch's
     mean / K whatever its rows: off by 0.303 of an update here with SGD."""
-    batches = _batches([4, 4, 4, 2])
+    batches = zoo_batches([4, 4, 4, 2])
     expected, _ = _full_batch(batches, [2, 2], optimizer)
     actual, _, step, outputs = _wrapped(TrainOneStepWrapper, batches, 2, optimizer)
     assert_params_close(actual, expected, **TOLERANCE)
@@ -102,7 +80,7 @@ def test_mindone_wrapper_epoch_last_window_applied_under_model_and_mindone_drops
     epoch, equal to the full batches; mindone's wrapper never applies the partial windows (windows span epochs and
     the last one stays pending)."""
     import mindspore.dataset as ds
-    batches = _batches([4, 4, 4])
+    batches = zoo_batches([4, 4, 4])
     rows = [(x[i], y[i]) for x, y in batches for i in range(len(x))]
 
     def dataset():
@@ -123,7 +101,7 @@ def test_mindone_wrapper_epoch_last_window_applied_under_model_and_mindone_drops
 
 @pytest.mark.slow
 def test_mindone_wrapper_ema_once_per_optimizer_step_equals_full_batch_ema():
-    batches = _batches([4, 4, 4, 4, 4, 4])
+    batches = zoo_batches([4, 4, 4, 4, 4, 4])
     expected, expected_ema = _full_batch(batches, [3, 3], "momentum", ema_decay=0.9)
     actual, ema, _, _ = _wrapped(TrainOneStepWrapper, batches, 3, "momentum", ema_decay=0.9)
     assert_params_close(actual, expected, **TOLERANCE)
@@ -136,7 +114,7 @@ def test_mindone_wrapper_ema_once_per_optimizer_step_equals_full_batch_ema():
 
 @pytest.mark.slow
 def test_mindone_wrapper_clip_grad_clips_the_window_gradient_once():
-    batches = _batches([4, 4, 4, 4])
+    batches = zoo_batches([4, 4, 4, 4])
     expected, _ = _full_batch(batches, [2, 2], clip=0.05)
     actual, _, _, _ = _wrapped(TrainOneStepWrapper, batches, 2, clip_grad=True, clip_norm=0.05)
     assert_params_close(actual, expected, **TOLERANCE)
@@ -148,7 +126,7 @@ def test_mindone_wrapper_clip_grad_clips_the_window_gradient_once():
 def test_mindone_wrapper_overflowing_window_skipped_exactly_or_applied_when_asked():
     """A NaN row in the second window: with a dynamic loss scale that window is skipped (weights as after the first
     window, scale halved) and the third trains as the full batch; drop_overflow_update=False applies it."""
-    batches = _batches([4, 4, 4, 4, 4, 4])
+    batches = zoo_batches([4, 4, 4, 4, 4, 4])
     batches[2][0][1, 3] = np.nan
     expected, _ = _full_batch(batches[:2] + batches[4:], [2, 2])
     manager = nn.DynamicLossScaleUpdateCell(loss_scale_value=2.0 ** 10, scale_factor=2, scale_window=100)
@@ -166,7 +144,7 @@ def test_mindone_wrapper_resume_mid_window_through_evalsavecallback_and_resume_t
     mindone's resume_train_network(network, optimizer, ckpt) loads it into a fresh run, which ends as the
     uninterrupted one. Control: the same checkpoint without the window state ends elsewhere."""
     import mindspore.dataset as ds
-    batches = _batches([4, 4, 4, 4, 4, 4])
+    batches = zoo_batches([4, 4, 4, 4, 4, 4])
     rows = [(x[i], y[i]) for x, y in batches for i in range(len(x))]
 
     def epoch(index):
