@@ -1,5 +1,6 @@
 """mindcv's trainer through the package (ms_gradaccum.mindcv): real mindcv models, against the plain full batch, with
 mindcv's own accumulation as the control."""
+import functools
 import math
 import os
 import warnings
@@ -66,8 +67,10 @@ class _ClippedStep(nn.TrainOneStepCell):
         return ops.depend(loss, self.optimizer(ops.clip_by_global_norm(grads, self.clip)))
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(lr=0.1, clip=None, epochs=EPOCHS):
-    """Plain full-batch steps on each window's rows concatenated: per epoch, rows 0-31 and 32-43."""
+    """Plain full-batch steps on each window's rows concatenated: per epoch, rows 0-31 and 32-43. Computed once per
+    argument set in a worker (the tests only read the weights it returns)."""
     net = _vit()
     initial = _weights(net)
     loss_net = nn.WithLossCell(net, nn.CrossEntropyLoss())
