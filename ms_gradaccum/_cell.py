@@ -13,7 +13,6 @@ from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, compiling
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE, bprops_calling_zeros_like
 from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, TrainGradAccuStepCell, discover,
                                                   parallel_mode)
-from ms_gradaccum._parallel import ParallelPassAccumulation, check_parallel_pass_arguments
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._parallel import ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._kinds import LossKind
@@ -23,6 +22,13 @@ from ms_gradaccum._validation import (check_cell, check_has_parameters, check_po
 
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
+
+
+def _parallel_pass():
+    """The semi-auto/auto-parallel hand-over (_parallel_pass), imported in those modes only: a stand-alone or
+    data-parallel step never reads it."""
+    from ms_gradaccum import _parallel_pass  # pylint: disable=import-outside-toplevel
+    return _parallel_pass
 
 
 def check_loss_inside(cell: nn.Cell) -> None:
@@ -120,7 +126,7 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
         weights = check_weights(weights, network, _NAME)
         scale = _loss_scale.for_grad_accumulation_cell(loss_scale, self, network, _NAME)
         if parallel_mode() in PARALLEL_PASS_MODES:
-            check_parallel_pass_arguments(loss_scale is not None, spec.kind, spec.shared_inputs)
+            _parallel_pass().check_parallel_pass_arguments(loss_scale is not None, spec.kind, spec.shared_inputs)
         warn_where_inexact(network, spec, _NAME, [f"micro_size={spec.micro_size} micro-batches"]
                            if spec.micro_size > 1 else [])
         super().__init__(auto_prefix=False)
@@ -156,7 +162,7 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
         check_loss_inside(self)
         wrapper = discover(self).train_cell
         if self.parallel_pass:
-            check_parallel_pass_arguments(self.explicit_loss_scale, self.kind, self.shared_inputs)
+            _parallel_pass().check_parallel_pass_arguments(self.explicit_loss_scale, self.kind, self.shared_inputs)
             # _TrainGradAccuStepCell makes accu_grads.<weight> buffers of its own: ours (from an earlier stand-alone
             # graph) would clash by name, and are not used here.
             self.gradient_buffers.for_weights([])
@@ -189,17 +195,18 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
         return _UNROUTED_NAME if name in ROUTED_NAMES else name
 
     @compile_time
-    def parallel_pass_part(self) -> ParallelPassAccumulation:
+    def parallel_pass_part(self) -> nn.Cell:
         """The part MindSpore's semi-auto/auto-parallel pass accumulates through (its micro-batch markers), built when
         the cell is built in those modes or when first read: a cell trained stand-alone or data parallel holds none."""
         return self._build_parallel_pass_part()
 
-    def _build_parallel_pass_part(self) -> ParallelPassAccumulation:
+    def _build_parallel_pass_part(self) -> nn.Cell:
         part = self._cells.get("parallel_pass_part")
         if part is None:
             # Straight into the cell table: insert_child_to_cell's hasattr would read the attribute again. The part
             # holds no Parameter, so nothing needs naming.
-            part = self._cells["parallel_pass_part"] = ParallelPassAccumulation(self.network, self.micro_size)
+            part = _parallel_pass().ParallelPassAccumulation(self.network, self.micro_size)
+            self._cells["parallel_pass_part"] = part
         return part
 
     @compile_time

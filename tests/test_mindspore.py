@@ -13,7 +13,7 @@ import mindspore as ms
 import pytest
 from mindspore import nn, Parameter, Tensor
 
-from ms_gradaccum import _buffers
+from ms_gradaccum import _buffers, _parallel_pass
 from ms_gradaccum._mindspore import graph, surroundings, version
 from launch import repo_env
 
@@ -159,7 +159,7 @@ def test_mindspore_model_routes_by_class_name():
         def construct(self, x):
             return x
     assert _is_grad_accumulation(GradAccumulation()) and GradAccumulation().cls_name in surroundings.ROUTED_NAMES
-    assert not _is_grad_accumulation(surroundings.ParallelPassMarkers(nn.Dense(2, 2), 2))
+    assert not _is_grad_accumulation(_parallel_pass.ParallelPassMarkers(nn.Dense(2, 2), 2))
 
 
 def test_mindspore_enclosing_cells_found_from_the_stack():

@@ -1,5 +1,8 @@
 """How the cell presents itself to MindSpore in each parallel mode (checked on CPU, where
 SEMI_AUTO_PARALLEL/AUTO_PARALLEL cannot compile): routing, markers and the loss/gradient contract."""
+import subprocess
+import sys
+
 import numpy as np
 import mindspore as ms
 import pytest
@@ -10,7 +13,7 @@ from mindspore.train.amp import _is_grad_accumulation
 from mindspore.parallel.auto_parallel import AutoParallel
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from ms_gradaccum import _parallel as parallel_pass
+from ms_gradaccum import _parallel_pass as parallel_pass
 from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
                      params_of, reference_run, train_steps)
 
@@ -64,6 +67,34 @@ def test_parallel_modes_stand_alone_and_data_parallel_are_not_routed(mode):
     assert type(model._train_network) is nn.TrainOneStepCell  # pylint: disable=protected-access
     # The parallel pass's markers are built only where it may run.
     assert not any("parallel_pass_part" in name for name, _ in model._train_network.cells_and_names())  # pylint: disable=protected-access
+
+
+_STEP_MODULES = """
+import sys
+import numpy as np
+import mindspore as ms
+from mindspore import nn, Tensor
+from ms_gradaccum import GradAccumulationCell
+ms.set_context(mode=ms.GRAPH_MODE)
+net = nn.Dense(4, 2)
+step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, nn.MSELoss()), 2), nn.SGD(net.trainable_params()))
+step(Tensor(np.ones((4, 4), np.float32)), Tensor(np.zeros((4, 2), np.float32)))
+ms.set_auto_parallel_context(parallel_mode=sys.argv[1])
+GradAccumulationCell(nn.WithLossCell(nn.Dense(4, 2), nn.MSELoss()), 2)
+print("LOADED", "ms_gradaccum._parallel_pass" in sys.modules)
+"""
+
+
+def test_parallel_modes_a_stand_alone_step_never_loads_the_parallel_pass():
+    # The semi-auto hand-over sits behind one door (_cell._parallel_pass): a stand-alone step does not read it.
+    def loaded(mode):
+        done = subprocess.run([sys.executable, "-c", _STEP_MODULES, mode], capture_output=True, text=True,
+                              timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split("LOADED ")[-1].strip()
+    assert loaded(ms.ParallelMode.DATA_PARALLEL) == "False"
+    # Control: a cell built under semi-auto parallel loads it.
+    assert loaded(ms.ParallelMode.SEMI_AUTO_PARALLEL) == "True"
 
 
 def test_parallel_modes_mechanism_follows_the_mode_in_force_not_the_one_at_construction():

@@ -23,9 +23,6 @@ from mindspore.communication._comm_helper import GlobalComm
 # optimizer divides by its loss_scale (mindspore/train/amp.py::build_train_network).
 from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell as TrainGradAccuStepCell
 from mindspore.parallel import _utils as parallel_utils
-# Marks micro-batch slices (`grad_accu_num`) and forward ends (`forward_end`) for the parallel pass; only the pass
-# reads those attributes.
-from mindspore.parallel.nn import GradAccumulation
 
 _ENCLOSING_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -283,15 +280,6 @@ def _optimizer_of(enclosing: list) -> Optional[nn.Optimizer]:
 
 ROUTED_NAMES = frozenset({"GradAccumulationCell", "GradAccumulation"})
 PARALLEL_PASS_MODES = frozenset({ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.ParallelMode.AUTO_PARALLEL})
-
-
-class ParallelPassMarkers(GradAccumulation):
-    """MindSpore's GradAccumulation under a name that Model does not route (GradAccumulationCell presents the routed
-    name itself, in the modes where routing is wanted)."""
-
-    @property
-    def cls_name(self) -> str:
-        return "ParallelPassMarkers"
 
 
 def parallel_mode() -> str:
