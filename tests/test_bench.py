@@ -91,6 +91,9 @@ def test_bench_compile_probe_prints_the_floor_beside_the_package():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("| lm2 |"))
     assert row.count("x)") == 4 and "(1.00x)" in row, row
+    # The same compiles in wall seconds: a second table of the four, the plain step again 1.00x.
+    rows = [line for line in done.stdout.split("in wall seconds")[0].splitlines() if line.startswith("| lm2 |")]
+    assert len(rows) == 2 and rows[1].count("x)") == 4 and "(1.00x)" in rows[1], rows
     listed = re.findall(r"lm2 (\w+) ([-0-9.]+) \(([-0-9.]+)\)", done.stdout.split("losses after one update")[1])
     after = {kind: float(value) for kind, value, _ in listed}
     before = {kind: float(value) for kind, _, value in listed}
