@@ -48,14 +48,14 @@ def pytest_configure(config):
 
 
 # The files that take longest, longest first (seconds of test time here, measured with --durations=0 on 2 cores).
-# pytest-xdist's loadfile hands files to the workers in collection order; alphabetically test_run_sh.py (770 s) came
-# near the end and ran on one worker while the other had finished everything else and waited (2 min). Longest first,
-# the short files fill in at the end.
-COSTLIEST_FIRST = ("test_run_sh.py", "test_mindformers.py", "test_bench.py", "test_contract.py", "test_mindcv.py",
-                   "test_data_parallel.py", "test_tokens.py", "test_real_models.py", "test_mindone.py",
-                   "test_trainable.py", "test_graph.py", "test_sample.py", "test_steps.py", "test_loss_scale.py",
-                   "test_bprop.py", "test_memory.py", "test_inputs.py", "test_scheduler.py", "test_cell.py",
-                   "test_docs.py")
+# pytest-xdist's loadfile hands files to the workers in this order only with --no-loadscope-reorder (pyproject.toml):
+# by default it sorts them by their number of tests, which put test_bench.py (185 s, 3 tests) last, on one worker
+# while the other had finished and waited (3 min of 25). Longest first, the short files fill in at the end.
+COSTLIEST_FIRST = ("test_run_sh.py", "test_bench.py", "test_contract.py", "test_mindcv.py", "test_mindformers.py",
+                   "test_data_parallel.py", "test_tokens.py", "test_real_models.py", "test_bprop.py", "test_sample.py",
+                   "test_mindone.py", "test_trainable.py", "test_graph.py", "test_memory.py", "test_steps.py",
+                   "test_cell.py", "test_docs.py", "test_loss_scale.py", "test_scheduler.py", "test_batches.py",
+                   "test_overflow.py", "test_inputs.py", "test_kinds.py", "test_validation.py", "test_clipping.py")
 
 
 def pytest_collection_modifyitems(session, config, items):   # pylint: disable=unused-argument
