@@ -102,6 +102,15 @@ def inferred_size(kind: str, model: str, env: dict) -> tuple:
             return graph_size(ir_file.read())
 
 
+def print_ratios(seconds: dict, models: list) -> None:
+    """The table of `seconds` per (model, configuration), each with its ratio to the plain step."""
+    print(table_header())
+    for model in models:
+        plain = seconds[model, "plain"]
+        cells = [f"{seconds[model, kind]:.2f} s ({seconds[model, kind] / plain:.2f}x)" for kind in KINDS]
+        print(f"| {model} | {' | '.join(cells)} |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["lm2", "lm6"], help="lmN: the LM with N layers")
@@ -118,24 +127,16 @@ def main(argv=None) -> int:
                     print(f"{model} {kind} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-1500:]}",
                           file=sys.stderr)
                     return 1
-                seconds, loss = float(found[0][1]), (float(found[0][2]), float(found[0][3]))
+                seconds, wall = float(found[0][1]), float(found[0][4])
                 best[model, kind] = min(best.get((model, kind), seconds), seconds)
-                wall = float(found[0][4])
                 best_wall[model, kind] = min(best_wall.get((model, kind), wall), wall)
-                losses[model, kind] = loss
-    print(table_header())
-    for model in args.models:
-        plain = best[model, "plain"]
-        cells = [f"{best[model, kind]:.2f} s ({best[model, kind] / plain:.2f}x)" for kind in KINDS]
-        print(f"| {model} | {' | '.join(cells)} |")
+                losses[model, kind] = (float(found[0][2]), float(found[0][3]))
+    print_ratios(best, args.models)
     print(f"(minimum of {args.repeats}, compile of the train step, batch {BATCH}, micro_size {MICRO_SIZE}; losses "
           f"after one update (before): " + ", ".join(f"{m} {k} {v[0]:.8f} ({v[1]:.8f})"
                                                      for (m, k), v in sorted(losses.items())) + ")")
-    print("\n" + table_header())
-    for model in args.models:
-        plain = best_wall[model, "plain"]
-        cells = [f"{best_wall[model, kind]:.2f} s ({best_wall[model, kind] / plain:.2f}x)" for kind in KINDS]
-        print(f"| {model} | {' | '.join(cells)} |")
+    print()
+    print_ratios(best_wall, args.models)
     print("(the same compiles in wall seconds, minimum of each; on CPU MindSpore's runtime threads spin while the "
           "first step's eager check runs, which counts twice in CPU seconds)")
     print("\n" + table_header())
