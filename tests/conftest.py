@@ -58,16 +58,15 @@ COSTLIEST_FIRST = ("test_run_sh.py", "test_bench.py", "test_contract.py", "test_
                    "test_overflow.py", "test_inputs.py", "test_kinds.py", "test_validation.py", "test_clipping.py")
 
 
-def pytest_xdist_auto_num_workers(config):   # pylint: disable=unused-argument
-    """How many workers ``-n auto`` (pyproject.toml) starts: one per core and one more, up to ``--maxprocesses``. The
-    worker that runs ``test_run_sh.py`` spends 12 min mostly waiting on its jobs (a 2-rank ``run.sh`` job used 19.5 s
-    of CPU in 33.5 s), so on 2 cores a third worker fills that time (CONTRIBUTING.md has the times). The variable
-    pytest-xdist reads, ``PYTEST_XDIST_AUTO_NUM_WORKERS``, still sets the number."""
-    setting = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "")
-    if setting.isdigit():
-        return int(setting)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores + 1
+def pytest_xdist_auto_num_workers(config):
+    """How many workers ``-n auto`` (pyproject.toml) starts: pytest-xdist's own count (one per core) and one more, up
+    to ``--maxprocesses``. The worker that runs ``test_run_sh.py`` spends 12 min mostly waiting on its jobs (a 2-rank
+    ``run.sh`` job used 19.5 s of CPU in 33.5 s), so on 2 cores a third worker fills that time (CONTRIBUTING.md has
+    the times). Where ``PYTEST_XDIST_AUTO_NUM_WORKERS`` is set, pytest-xdist reads it as it always does."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None   # the next implementation of this hook, pytest-xdist's, answers
+    from xdist.plugin import pytest_xdist_auto_num_workers as xdist_count  # pylint: disable=import-outside-toplevel
+    return xdist_count(config) + 1
 
 
 def pytest_collection_modifyitems(session, config, items):   # pylint: disable=unused-argument
