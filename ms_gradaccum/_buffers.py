@@ -12,7 +12,7 @@ Buffers are ``Parameter``s (``requires_grad=False``) named ``accu_grads.<weight 
 them in place as they are produced, memory accounting that counts Parameters sees them, and checkpoints carry
 them. Scalar window state is ``accu_state.<name>``.
 """
-from typing import Sequence, Tuple
+from typing import Sequence
 
 import numpy as np
 from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
@@ -43,15 +43,12 @@ def unit_of(batch: int, micro_size: int) -> float:
     return float(count_unit(batch, micro_size))
 
 
-def micro_batch_counts(batch: int, micro_size: int, unit: int) -> Tuple[Tuple[int, float], ...]:
-    """``((micro-batches, count of each), ...)`` for a mean loss, following :func:`~ms_gradaccum._microbatch.plan`.
+class Unsaved:
+    """Holds a Parameter out of the cell tree (``accu_state.*_checked`` flags): not in ``get_parameters()``, so
+    checkpoints do not carry it."""
 
-    >>> micro_batch_counts(32, 4, 8)
-    ((4, 1.0),)
-    >>> micro_batch_counts(30, 4, 8)
-    ((2, 1.0), (2, 0.875))
-    """
-    return tuple((count, rows / unit) for count, rows in plan(batch, micro_size))
+    def __init__(self, parameter: Parameter):
+        self.parameter = parameter
 
 
 # --- the buffers ----------------------------------------------------------------------------------------------------

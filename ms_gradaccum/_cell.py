@@ -14,7 +14,6 @@ from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE, bpr
 from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, TrainGradAccuStepCell, discover,
                                                   parallel_mode)
 from ms_gradaccum._loss_scale import PrecisionNeutral
-from ms_gradaccum._parallel import ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._kinds import LossKind
 from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
@@ -29,6 +28,38 @@ def _parallel_pass():
     data-parallel step never reads it."""
     from ms_gradaccum import _parallel_pass  # pylint: disable=import-outside-toplevel
     return _parallel_pass
+
+
+def data_parallel_module():
+    """Data parallel's cross-rank parts (_parallel), imported in that mode only: a stand-alone step never reads them."""
+    from ms_gradaccum import _parallel  # pylint: disable=import-outside-toplevel
+    return _parallel
+
+
+class DataParallelParts:
+    """Mixed into both cells: their parts under data parallel (_parallel), built when first read in that mode and kept
+    as children, so that a stand-alone step never builds or imports them: ``replicas``, the first step's check that
+    every rank holds the same weights, and ``token_totals``, the loss value and count summed across ranks."""
+
+    @compile_time
+    def data_parallel(self) -> bool:
+        """Whether data parallel is in force (read when the graph compiles: the context may be set later)."""
+        return parallel_mode() == ms.ParallelMode.DATA_PARALLEL
+
+    @compile_time
+    def replicas(self) -> nn.Cell:
+        return self._part("replicas", lambda parallel: parallel.ReplicaCheck(self._targets, self.engine.owner_name))
+
+    @compile_time
+    def token_totals(self) -> nn.Cell:
+        return self._part("token_totals", lambda parallel: parallel.TokenTotals(self.kind, self.engine.owner_name))
+
+    def _part(self, name: str, build) -> nn.Cell:
+        part = self._cells.get(name)
+        if part is None:
+            part = build(data_parallel_module())
+            self._cells[name] = part   # straight into the cell table, as _build_parallel_pass_part does
+        return part
 
 
 def check_loss_inside(cell: nn.Cell) -> None:
@@ -63,7 +94,7 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
             f"bprop.")
 
 
-class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
+class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
     r"""
     Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
 
@@ -145,8 +176,6 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
             self.gradient_buffers.for_weights(list(weights) if weights is not None else network.trainable_params())
         self.engine = MicroBatchGradients(network, spec, overwrite=True, targets=self._targets, cls_name=_NAME,
                                           accumulates=spec.micro_size > 1)
-        self.token_totals = TokenTotals(spec.kind, _NAME)
-        self.replicas = ReplicaCheck(self._targets, _NAME)
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
         # The parallel mode in force when Model builds its train cell and when the graph compiles (AutoParallel sets
@@ -158,7 +187,8 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see
         _mindspore.graph.CompileChecks."""
-        check_data_parallel_ready(_NAME)
+        if self.data_parallel:
+            data_parallel_module().check_data_parallel_ready(_NAME)
         check_loss_inside(self)
         wrapper = discover(self).train_cell
         if self.parallel_pass:
@@ -282,12 +312,15 @@ class GradAccumulationCell(PreparedCalls, PrecisionNeutral):
         run_compile_checks(self.compile_checks)
         if self.parallel_pass:
             return self.parallel_pass_part(*inputs)
-        # Under data parallel, the first step first checks that every rank holds the same weights.
-        scale = self.replicas(self.loss_scale())
+        scale = self.loss_scale()
+        if self.data_parallel:
+            scale = self.replicas(scale)   # at the first step: every rank holds the same weights
         split, shared, constants, layout = self.engine.split_inputs(inputs)
         unit = Tensor(_buffers.unit_of(split[0].shape[0], self.micro_size), mstype.float32)
         value, count, loss_like = self.engine(split, shared, constants, layout, scale, unit, self.targets_key)
-        value, count, factor = self.token_totals(value, count)
+        factor = 1.0
+        if self.data_parallel:
+            value, count, factor = self.token_totals(value, count)
         loss, divisor = self.kind.normalise(scale, value, count, factor, split[0].shape[0], unit)
         # The hand-over reads the buffers: this data dependency orders it after the micro-batch loop (the loss
         # exists only once the loop is done). Behind stop_gradient (the engine's outputs carry no gradient), or

@@ -39,6 +39,7 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
+from ms_gradaccum._buffers import Unsaved
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
 from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.surroundings import one_walk, parallel_mode
@@ -46,7 +47,6 @@ from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, check_tensor_inputs,
                                       failure_context, forget_layout, input_kinds, last_layout, last_split, partition,
                                       plan, plan_inputs, shared_input_hint)
-from ms_gradaccum._parallel import Unsaved
 from ms_gradaccum._tokens import LabelWatch
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 

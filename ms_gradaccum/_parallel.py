@@ -18,7 +18,9 @@ from mindspore.common import dtype as mstype
 from mindspore.communication import get_group_size
 
 from ms_gradaccum._mindspore.graph import compile_time
-from ms_gradaccum._mindspore.surroundings import communication_initialized, parallel_mode, reducer_all_reduces
+from ms_gradaccum._mindspore.parallel import communication_initialized, reducer_all_reduces
+from ms_gradaccum._mindspore.surroundings import parallel_mode
+from ms_gradaccum._buffers import Unsaved
 from ms_gradaccum._loss_scale import PrecisionNeutral
 
 
@@ -95,13 +97,6 @@ class InPlaceAllReduce(PrecisionNeutral):
                 # Writes to Parameters run in program order, so each read follows the previous write.
                 after = ops.depend(after, ops.assign(buffer, self.all_reduces[j](ops.depend(buffer, after))))
         return after
-
-
-class Unsaved:
-    """Holds a Parameter out of the cell tree: not in ``get_parameters()``, so checkpoints do not carry it."""
-
-    def __init__(self, parameter: Parameter):
-        self.parameter = parameter
 
 
 # Samples taken from every weight: exact values, compared exactly (no reduction order can differ).

@@ -18,7 +18,8 @@ from mindspore.common import dtype as mstype
 from mindspore.parallel.nn import GradAccumulation
 
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
-from ms_gradaccum._mindspore.surroundings import batch_axis_splits, discover, parallel_mode, scale_left_out
+from ms_gradaccum._mindspore.parallel import batch_axis_splits, scale_left_out
+from ms_gradaccum._mindspore.surroundings import discover, parallel_mode
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import input_kinds
 
@@ -68,7 +69,7 @@ def check_parallel_pass_batch(shapes: tuple, splits: tuple, micro_size: int, mod
     ``1 / micro_size`` (its ``sens``): equal micro-batches are part of that contract, and a micro-batch of unequal rows
     could not be given its weight there. MindSpore checks only the global rows, and raises an internal
     message from its own wrapper; this check runs first, and on each rank's rows (`splits`, see
-    :func:`~ms_gradaccum._mindspore.surroundings.batch_axis_splits`), since every rank slices its own share.
+    :func:`~ms_gradaccum._mindspore.parallel.batch_axis_splits`), since every rank slices its own share.
     """
     for index, shape in enumerate(shapes):
         if shape is None or not shape:
@@ -96,7 +97,7 @@ class ParallelPassAccumulation(PrecisionNeutral):
     ``FixedLossScaleManager(S, drop_overflow_update=False)``, it applies no loss scale at all while the optimizer
     still divides by its ``loss_scale`` S: the update would be S times too small, and float16 gradients would
     underflow. So the backward is scaled here by the optimizer's ``loss_scale`` whenever the wrapper is that cell,
-    and by 1 otherwise (:func:`~ms_gradaccum._mindspore.surroundings.scale_left_out`).
+    and by 1 otherwise (:func:`~ms_gradaccum._mindspore.parallel.scale_left_out`).
     """
 
     def __init__(self, network: nn.Cell, micro_size: int):

@@ -8,12 +8,11 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
-from ms_gradaccum._cell import GradAccumulationCell
+from ms_gradaccum._cell import DataParallelParts, GradAccumulationCell, data_parallel_module
 from ms_gradaccum._contract import PreparedCalls
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, discover, parallel_mode
-from ms_gradaccum._parallel import InPlaceAllReduce, ReplicaCheck, TokenTotals, check_data_parallel_ready
 from ms_gradaccum._kinds import LossKind
 from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._validation import (argument_error, check_cell, check_has_parameters, check_positive_int,
@@ -24,7 +23,7 @@ from ms_gradaccum._window import StateUnderOptimizer, Window
 _NAME = "AccumulatingTrainOneStepCell"
 
 
-class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
+class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOneStepCell):
     r"""
     A drop-in for ``nn.TrainOneStepCell`` that steps the optimizer once every `accumulate_steps` calls, each call's
     batch optionally split into `micro_size` micro-batches.
@@ -129,14 +128,12 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
         self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, targets=self._targets, cls_name=_NAME,
                                           accumulates=bool(splits))
-        self.token_totals = TokenTotals(spec.kind, _NAME)
-        self.replicas = ReplicaCheck(self._targets, _NAME)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).
         # AdaSum optimizers keep MindSpore's reducer (their own group and degree).
         self.reduce_in_place = self.reducer_flag and isinstance(self.grad_reducer, nn.DistributedGradReducer) and \
             not isinstance(optimizer, (nn.AdaSumByGradWrapCell, nn.AdaSumByDeltaWeightWrapCell))
         if self.reduce_in_place:
-            self.in_place_reducer = InPlaceAllReduce(self.grad_reducer)
+            self.in_place_reducer = data_parallel_module().InPlaceAllReduce(self.grad_reducer)
         self.buffers_match_weights = _buffers.dtypes_match(self.weights, self.grad_sums)
         self.window = Window(accumulate_steps, steps_per_epoch or 0, _NAME)
         self.hyper_map = ops.HyperMap()
@@ -189,7 +186,8 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see
         _mindspore.graph.CompileChecks."""
-        check_data_parallel_ready(_NAME)
+        if self.data_parallel:
+            data_parallel_module().check_data_parallel_ready(_NAME)
         if parallel_mode() in PARALLEL_PASS_MODES:
             raise RuntimeError(
                 f"For '{_NAME}', semi-auto/auto parallel is not supported: there MindSpore's parallel pass does the "
@@ -219,8 +217,9 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         scale)``. :meth:`construct` returns them; a subclass whose trainer reads other outputs overrides ``construct``
         and calls this."""
         run_compile_checks(self.compile_checks)
-        # Under data parallel, the first step first checks that every rank holds the same weights.
-        scale = self.replicas(self.loss_scale())
+        scale = self.loss_scale()
+        if self.data_parallel:
+            scale = self.replicas(scale)   # at the first step: every rank holds the same weights
         split, shared, constants, layout = self.engine.split_inputs(inputs)
         # The count unit of the window (its first batch's largest micro-batch: _kinds).
         unit = self.window.unit(Tensor(_buffers.unit_of(split[0].shape[0], self.micro_size), mstype.float32))
@@ -245,7 +244,9 @@ class AccumulatingTrainOneStepCell(PreparedCalls, nn.TrainOneStepCell):
         window without a single counted token updates nothing and leaves the scale alone.
         """
         window = self.window
-        value, count, factor = self.token_totals(window.loss_sum, window.count)
+        value, count, factor = window.loss_sum, window.count, 1.0
+        if self.data_parallel:
+            value, count, factor = self.token_totals(value, count)
         empty = self.kind.empty(count)
         window_loss, divisor = self.kind.normalise(scale, value, count, factor, window.rows, window.count_unit * 1.0)
         if self.reduce_in_place:

@@ -81,20 +81,37 @@ step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, nn.MSELoss(
 step(Tensor(np.ones((4, 4), np.float32)), Tensor(np.zeros((4, 2), np.float32)))
 ms.set_auto_parallel_context(parallel_mode=sys.argv[1])
 GradAccumulationCell(nn.WithLossCell(nn.Dense(4, 2), nn.MSELoss()), 2)
+print("DATA_PARALLEL", "ms_gradaccum._parallel" in sys.modules or "ms_gradaccum._mindspore.parallel" in sys.modules)
 print("LOADED", "ms_gradaccum._parallel_pass" in sys.modules)
 """
 
 
 def test_parallel_modes_a_stand_alone_step_never_loads_the_parallel_pass():
-    # The semi-auto hand-over sits behind one door (_cell._parallel_pass): a stand-alone step does not read it.
+    # The semi-auto hand-over sits behind one door (_cell._parallel_pass), data parallel's cross-rank parts behind
+    # another (_cell.data_parallel_module): a stand-alone step reads neither.
     def loaded(mode):
         done = subprocess.run([sys.executable, "-c", _STEP_MODULES, mode], capture_output=True, text=True,
                               timeout=300, check=False)
         assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout.split("LOADED ")[-1].strip()
-    assert loaded(ms.ParallelMode.DATA_PARALLEL) == "False"
-    # Control: a cell built under semi-auto parallel loads it.
-    assert loaded(ms.ParallelMode.SEMI_AUTO_PARALLEL) == "True"
+        return done.stdout.split("DATA_PARALLEL ")[-1].split()[0], done.stdout.split("LOADED ")[-1].strip()
+    assert loaded(ms.ParallelMode.DATA_PARALLEL) == ("False", "False")
+    # Control: a cell built under semi-auto parallel loads the hand-over.
+    assert loaded(ms.ParallelMode.SEMI_AUTO_PARALLEL)[1] == "True"
+
+
+def test_parallel_modes_data_parallel_parts_are_built_in_that_mode_only(monkeypatch):
+    # A stand-alone step builds no replica check and no token totals. Control: where data parallel is in force (the
+    # mode read as the graph would read it), the same cell builds both as its children.
+    cell = GradAccumulationCell(_loss_net(), K)
+    step = nn.TrainOneStepCell(cell, nn.SGD(cell.trainable_params(), 0.1))
+    step(*(Tensor(x) for x in classification_batches(1, 8)[0]))
+    assert not cell.data_parallel
+    assert not any(name in ("replicas", "token_totals") for name, _ in cell.name_cells().items())
+    monkeypatch.setattr(ms, "get_auto_parallel_context", lambda key, real=ms.get_auto_parallel_context: (
+        ms.ParallelMode.DATA_PARALLEL if key == "parallel_mode" else real(key)))
+    assert cell.data_parallel and type(cell.replicas).__name__ == "ReplicaCheck"
+    assert type(cell.token_totals).__name__ == "TokenTotals"
+    assert {"replicas", "token_totals"} <= set(cell.name_cells())
 
 
 def test_parallel_modes_mechanism_follows_the_mode_in_force_not_the_one_at_construction():

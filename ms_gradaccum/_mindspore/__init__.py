@@ -5,7 +5,8 @@ place: the loss contract's eager pass puts back what cells' own ``__call__`` set
 - :mod:`.version`: the supported versions (checked on import) and what differs between them.
 - :mod:`.graph`: Python run while a graph compiles; eager execution from anywhere.
 - :mod:`.surroundings`: the cells and the gradient call around a cell, found on the stack; how ``Model`` routes a
-  cell by name and the parallel context; a Cell's own Parameter dict and precision flags.
+  cell by name and the parallel mode; a Cell's own Parameter dict and precision flags.
+- :mod:`.parallel`: what the parallel modes read (communication, the gradient reducer, the batch axis's split).
 - :mod:`.patches`: the process-wide changes, each with ``install()`` and ``uninstall()``.
 """
 from ms_gradaccum._mindspore import version

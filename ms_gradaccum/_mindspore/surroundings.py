@@ -7,8 +7,9 @@ resolve in their own construct and remember the result. The stack is walked once
 call) into one frozen :class:`Surroundings` (:func:`discover`), which every read during that compile gets. Checked
 2.7.0-2.10.0.
 
-Also here: how ``Model`` routes a cell by name and the parallel context it reads (below, "Routing"), and the internals
-of a Cell the package reads or writes (its own Parameter dict, the precision flags).
+Also here: how ``Model`` routes a cell by name and the parallel mode (below, "Routing"), and the internals of a Cell
+the package reads or writes (its own Parameter dict, the precision flags). What the parallel modes read is in
+:mod:`.parallel`.
 """
 import contextlib
 import dataclasses
@@ -18,11 +19,9 @@ from typing import Optional
 
 import mindspore as ms
 from mindspore import nn
-from mindspore.communication._comm_helper import GlobalComm
 # What Model builds for a routed cell in semi-auto/auto parallel; it applies no loss scale of its own while the
 # optimizer divides by its loss_scale (mindspore/train/amp.py::build_train_network).
-from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell as TrainGradAccuStepCell
-from mindspore.parallel import _utils as parallel_utils
+from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell as TrainGradAccuStepCell  # noqa: F401 (for _cell)
 
 _ENCLOSING_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -185,19 +184,6 @@ def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
     return 1.0
 
 
-# nn.DistributedGradReducer's primitives and filter are attributes (allreduce_filter, split_fusion, op_list, allreduce,
-# mean, degree): AccumulatingTrainOneStepCell reuses them to all-reduce its buffers in place with the same collectives.
-def reducer_all_reduces(reducer: nn.DistributedGradReducer) -> tuple:
-    """``(per-weight all-reduce flag, per-weight AllReduce primitive, whether the reducer averages, device count)``."""
-    flags = tuple(reducer.allreduce_filter)
-    if reducer.split_fusion:
-        primitives = tuple(reducer.op_list)
-    else:
-        primitives = (reducer.allreduce,) * len(flags)
-    devices = float(round(1.0 / float(reducer.degree.asnumpy())))
-    return flags, primitives, bool(reducer.mean), devices
-
-
 @dataclasses.dataclass(frozen=True)
 class Surroundings:
     """What is around a cell when its graph compiles (every call in PyNative), found by :func:`discover` in one walk."""
@@ -285,41 +271,6 @@ PARALLEL_PASS_MODES = frozenset({ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.Parallel
 def parallel_mode() -> str:
     """The parallel mode in force (public API)."""
     return ms.get_auto_parallel_context("parallel_mode")
-
-
-def communication_initialized() -> bool:
-    """Whether ``mindspore.communication.init()`` has run (GlobalComm.INITED, set by init())."""
-    return bool(GlobalComm.INITED)
-
-
-def scale_left_out(train_cell) -> float:
-    """The loss scale the optimizer divides out but `train_cell` never applies: only _TrainGradAccuStepCell, built by
-    Model in semi-auto/auto parallel for FixedLossScaleManager(S, drop_overflow_update=False), leaves one (S)."""
-    if isinstance(train_cell, TrainGradAccuStepCell) and not train_cell.sense_flag:
-        return float(getattr(train_cell.optimizer, "loss_scale", 1.0))
-    return 1.0
-
-
-# How semi-auto/auto parallel splits the batch axis of a graph's inputs:
-# In these modes a graph is compiled on global shapes: C++ parallel::ExtendInputArgsAbstractShape/ToFullShape multiply
-# each input's axis 0 by the dataset strategy's split of that axis, or by device_num // pipeline_stages when there is
-# no strategy and full_batch is off (mindspore/parallel/_utils.py::_need_to_full and _to_full_shapes do the same for
-# the dataset's shapes). What a cell sees as axis 0 is therefore the rows of every rank together. Checked 2.7.0-2.10.0.
-def batch_axis_splits() -> tuple:
-    """How many ranks share axis 0 of each graph input: ``(n,)`` for every input alike, or one entry per input (a
-    tuple dataset strategy); ``(1,)`` where inputs are not expanded (full_batch, stand-alone, data parallel) or where
-    the strategy is given as Layouts, whose split this does not read."""
-    if not parallel_utils._need_to_full():  # pylint: disable=protected-access
-        return (1,)
-    strategy = ms.get_auto_parallel_context("dataset_strategy")
-    if strategy not in ("data_parallel", "full_batch") and strategy:
-        return tuple(int(item[0]) if isinstance(item, (tuple, list)) and item and isinstance(item[0], int) else 1
-                     for item in strategy)
-    try:
-        ranks = parallel_utils._get_device_num() // parallel_utils._get_pipeline_stages()  # pylint: disable=protected-access
-    except RuntimeError:   # no communication initialised and no device_num set: nothing is expanded yet
-        ranks = 1
-    return (max(int(ranks), 1),)
 
 
 # --- A Cell's internals (checked 2.7.0-2.10.0) ------------------------------------------------------------------------
