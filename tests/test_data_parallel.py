@@ -23,7 +23,7 @@ RANKS = 2
 
 
 # The module's msrun jobs: (task, parallel mode) for dp_worker.py.
-JOBS = {"data_parallel": ("train", "data_parallel"), "stand_alone": ("train", "stand_alone"),
+JOBS = {"data_parallel": ("train", "data_parallel"), "stand_alone": ("train_model", "stand_alone"),
         "graphs": ("graphs", "data_parallel")}
 
 

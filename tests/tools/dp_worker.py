@@ -1,10 +1,11 @@
 """One rank of the 2-process data-parallel tests, started by msrun (see tests/launch.py).
 
-Usage: python dp_worker.py OUT_DIR {train|graphs|unseeded|unseeded_plain|no_init} {data_parallel|stand_alone}
+Usage: python dp_worker.py OUT_DIR TASK {data_parallel|stand_alone}, TASK one of the following.
 - train: trains the test MLP for 3 steps through ms.Model (dataset sharded with num_shards/shard_id) and
   through a hand-written nn.TrainOneStepCell loop, and with AccumulatingTrainOneStepCell over consecutive
   smaller batches, and saves, per rank, the batches it consumed, the
   losses and the parameters before and after, in OUT_DIR/rank_<r>.npz.
+- train_model: the ms.Model path of train only (the stand-alone negative control reads nothing else).
 - graphs: compiles one step of plain training, GradAccumulationCell at micro_size 2 and 8, (control)
   a network that all-reduces inside its forward, and AccumulatingTrainOneStepCell with 4 steps per window,
   saving each graph's IR under OUT_DIR/graphs/<name>.
@@ -34,7 +35,7 @@ TOKEN_VALID = ([1, 1, 6, 6, 2, 2, 5, 5], [3] * 8)   # per rank: different token 
 
 
 
-def train(out_dir: str, rank: int, group: int) -> None:
+def train(out_dir: str, rank: int, group: int, model_only: bool = False) -> None:
     dataset = classification_dataset(STEPS, BATCH * group, num_shards=group, shard_id=rank)
     model_batches = [(x.asnumpy(), y.asnumpy()) for x, y in dataset.create_tuple_iterator(num_epochs=1)]
 
@@ -44,7 +45,17 @@ def train(out_dir: str, rank: int, group: int) -> None:
     model = Model(GradAccumulationCell(nn.WithLossCell(net, ce()), MICRO_SIZE),
                   optimizer=make_optimizer("momentum", net.trainable_params()))
     model.train(1, dataset, callbacks=[record], dataset_sink_mode=False)
+    arrays = {"model_losses": np.array(record.losses), "model_x": np.stack([x for x, _ in model_batches]),
+              "model_y": np.stack([y for _, y in model_batches])}
+    for prefix, values in (("initial", initial), ("model_param", params_of(net))):
+        arrays.update({f"{prefix}:{name}": value for name, value in values.items()})
+    if not model_only:
+        arrays.update(_other_paths(rank, group))
+    np.savez(os.path.join(out_dir, f"rank_{rank}.npz"), **arrays)
 
+
+def _other_paths(rank: int, group: int) -> dict:
+    """The paths besides Model's, with their batches, losses and trained parameters."""
     # The hand-written loop takes this rank's contiguous slice of each global batch.
     loop_batches = [(x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH])
                     for x, y in classification_batches(STEPS, BATCH * group, seed=7)]
@@ -87,22 +98,20 @@ def train(out_dir: str, rank: int, group: int) -> None:
     for batch in token_data:
         window_cell(*(Tensor(a) for a in batch))
 
-    arrays = {"model_losses": np.array(record.losses), "loop_losses": np.array(loop_losses),
+    arrays = {"loop_losses": np.array(loop_losses),
               "steps_losses": np.array(steps_losses), "clip_losses": np.array(clip_losses),
               "bprop_losses": np.array(bprop_losses),
               "token_losses": np.array(token_losses), "window_last_loss": np.array(window_cell.last_window_loss)}
     for name, index in (("x", 0), ("y", 1), ("mask", 2)):
         arrays[f"token_{name}"] = np.stack([batch[index] for batch in token_data])
-    for prefix, batches in (("model", model_batches), ("loop", loop_batches), ("steps", steps_batches),
-                            ("bprop", loop_batches)):
+    for prefix, batches in (("loop", loop_batches), ("steps", steps_batches), ("bprop", loop_batches)):
         arrays[f"{prefix}_x"] = np.stack([x for x, _ in batches])
         arrays[f"{prefix}_y"] = np.stack([y for _, y in batches])
-    for prefix, values in (("initial", initial), ("model_param", params_of(net)), ("loop_param", params_of(loop_net)),
-                           ("steps_param", params_of(steps_net)), ("clip_param", params_of(clip_net)),
-                           ("token_param", params_of(token_net)), ("window_param", params_of(window_net)),
-                           ("bprop_param", params_of(bprop_net))):
+    for prefix, values in (("loop_param", params_of(loop_net)), ("steps_param", params_of(steps_net)),
+                           ("clip_param", params_of(clip_net)), ("token_param", params_of(token_net)),
+                           ("window_param", params_of(window_net)), ("bprop_param", params_of(bprop_net))):
         arrays.update({f"{prefix}:{name}": value for name, value in values.items()})
-    np.savez(os.path.join(out_dir, f"rank_{rank}.npz"), **arrays)
+    return arrays
 
 
 class _AllReduceInForward(nn.Cell):
@@ -175,8 +184,8 @@ def main(out_dir: str, task: str, mode: str) -> None:
         ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
     elif mode != "stand_alone":
         raise SystemExit(f"unknown mode {mode!r}")
-    if task == "train":
-        train(out_dir, get_rank(), get_group_size())
+    if task in ("train", "train_model"):
+        train(out_dir, get_rank(), get_group_size(), model_only=task == "train_model")
     elif task == "graphs":
         graphs(out_dir)
     elif task in ("unseeded", "unseeded_plain"):
