@@ -20,8 +20,8 @@ from typing import Optional
 import mindspore as ms
 from mindspore import nn
 # What Model builds for a routed cell in semi-auto/auto parallel; it applies no loss scale of its own while the
-# optimizer divides by its loss_scale (mindspore/train/amp.py::build_train_network).
-from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell as TrainGradAccuStepCell  # noqa: F401 (for _cell)
+# optimizer divides by its loss_scale (mindspore/train/amp.py::build_train_network). Named here for _cell and .parallel.
+from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell as TrainGradAccuStepCell  # noqa: F401
 
 _ENCLOSING_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
