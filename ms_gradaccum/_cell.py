@@ -30,6 +30,17 @@ def _parallel_pass():
     return _parallel_pass
 
 
+def child_on_first_read(owner: nn.Cell, name: str, build) -> nn.Cell:
+    """`owner`'s child cell `name`, made by ``build()`` the first time it is asked for. Straight into the cell table:
+    insert_child_to_cell's hasattr would read the compile-time attribute of that name again. The parts built so hold no
+    Parameter in the cell tree, so nothing needs naming."""
+    part = owner._cells.get(name)   # pylint: disable=protected-access
+    if part is None:
+        part = build()
+        owner._cells[name] = part   # pylint: disable=protected-access
+    return part
+
+
 def data_parallel_module():
     """Data parallel's cross-rank parts (_parallel), imported in that mode only: a stand-alone step never reads them."""
     from ms_gradaccum import _parallel  # pylint: disable=import-outside-toplevel
@@ -48,18 +59,13 @@ class DataParallelParts:
 
     @compile_time
     def replicas(self) -> nn.Cell:
-        return self._part("replicas", lambda parallel: parallel.ReplicaCheck(self._targets, self.engine.owner_name))
+        return child_on_first_read(self, "replicas", lambda: data_parallel_module().ReplicaCheck(
+            self._targets, self.engine.owner_name))
 
     @compile_time
     def token_totals(self) -> nn.Cell:
-        return self._part("token_totals", lambda parallel: parallel.TokenTotals(self.kind, self.engine.owner_name))
-
-    def _part(self, name: str, build) -> nn.Cell:
-        part = self._cells.get(name)
-        if part is None:
-            part = build(data_parallel_module())
-            self._cells[name] = part   # straight into the cell table, as _build_parallel_pass_part does
-        return part
+        return child_on_first_read(self, "token_totals", lambda: data_parallel_module().TokenTotals(
+            self.kind, self.engine.owner_name))
 
 
 def check_loss_inside(cell: nn.Cell) -> None:
@@ -231,13 +237,8 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
         return self._build_parallel_pass_part()
 
     def _build_parallel_pass_part(self) -> nn.Cell:
-        part = self._cells.get("parallel_pass_part")
-        if part is None:
-            # Straight into the cell table: insert_child_to_cell's hasattr would read the attribute again. The part
-            # holds no Parameter, so nothing needs naming.
-            part = _parallel_pass().ParallelPassAccumulation(self.network, self.micro_size)
-            self._cells["parallel_pass_part"] = part
-        return part
+        return child_on_first_read(self, "parallel_pass_part", lambda: _parallel_pass().ParallelPassAccumulation(
+            self.network, self.micro_size))
 
     @compile_time
     def parallel_pass(self) -> bool:
