@@ -1,16 +1,9 @@
-"""The accumulation buffers and how their sums become the mean gradient: every in-place buffer operation and every
-divisor of the package.
+"""The accumulation buffers: every in-place buffer operation and every divisor of the package (design.md, "Data flow").
 
-How the sums become the mean gradient: each micro-batch's backward runs on ``loss * scale * weight`` and adds
-``value`` and ``count`` to the batch's (or window's) tallies, as its loss kind says (_kinds: a mean loss weighs
-``rows / unit``, ``unit`` being the rows of the largest micro-batch of the batch or of a window's first batch, so evenly
-split batches add their gradients unweighted; a ``(loss_sum, count)`` network weighs 1 and counts its count). The
-buffers then hold ``scale * sum(weight * gradient)``; :func:`normalise` gives the loss, ``rows * value / max(count,
-floor)``, and the divisor of the buffers, ``scale * max(count, floor) / (devices factor * rows)``.
-
-Buffers are ``Parameter``s (``requires_grad=False``) named ``accu_grads.<weight name>``: gradients are added into
-them in place as they are produced, memory accounting that counts Parameters sees them, and checkpoints carry
-them. Scalar window state is ``accu_state.<name>``.
+Buffers are ``Parameter``s (``requires_grad=False``) named ``accu_grads.<weight name>``: gradients are added into them
+in place as they are produced, memory accounting that counts Parameters sees them, and checkpoints carry them; scalar
+window state is ``accu_state.<name>``. :func:`normalise` turns the tallies into the loss, ``rows * value / max(count,
+floor)``, and the buffers' divisor, ``scale * max(count, floor) / (devices factor * rows)``.
 """
 from typing import Sequence
 

@@ -1,33 +1,13 @@
-"""The loss contract, checked on the first step instead of assumed.
+"""The loss contract, checked on the first step instead of assumed (docs/design.md, "What is decided when").
 
-The cells are exact when the network's loss is what they are told it is: a mean over independent rows (the default),
-a sum over them (``reduction='sum'``), or ``(loss_sum, count)`` with ``per_token_loss=True``. Zoos break that without a
-sign: a detector's ``B * sum / max(S, 1)``, with ``S`` summed over the whole batch, trained 4 to 16 times too small.
-
-On the first step (per cell; not carried by checkpoints, so every new cell checks once) the network's loss on the rows
-of the first two micro-batches together is compared with what the cell computes from those two micro-batches' own
-losses as its micro-batch loop tallies them: their row-weighted mean, their sum, or the sums of ``loss_sum`` and of
-``count``. A mismatch stops training before the first update, with the measured ratio and the route that fits it. At a
-fixed number of rows a sum and a mean differ by a constant factor, so the comparison needs a pass on another number of
-rows than the loop's.
-
-The three forward passes (the pair, then each of its micro-batches) run eagerly (PyNative mode, no gradient
-recorded) on the batch the step is first compiled or called with, and are compared in Python before anything compiles:
-a mismatch stops before the compile, and the graph holds nothing of the check (a comparison in the graph cost more
-compile time than two eager passes, docs/measurements.md). BatchNorm's moving statistics are put back after the
-passes, and so is what cells' own ``__call__`` set on them (:func:`call_state_kept`). Noise that one forward pass sees
-and another does not is tolerated where the network has it: batch statistics (BatchNorm in training, warned about at
-construction) and random cells (dropout), for which only a gross mismatch (a ratio outside [1/1.5, 1.5]) stops. What it
-cannot see: a loss that breaks the contract on some batches only (the first step's pair passes), or only beyond two
-micro-batches.
-
-The batch is reached where a cell is called from Python: the package cells themselves (called, or compiled as the
-outermost graph: the graph executor's compile is entered on every call, with the call's inputs, see
-_mindspore.patches.GRAPH_COMPILE), and the train cells that hand their inputs unchanged to the package cell
-(``nn.TrainOneStepCell``, ``nn.TrainOneStepWithLossScaleCell``: what Model builds). Elsewhere (a train cell of one's
-own, a ``jit`` function, dataset sink mode, dynamic-shape inputs) and where the network does not run eagerly, the graph
-runs the pair's pass itself and compares it with the loop's own tallies of the two micro-batches: one forward copy of
-the network more in the graph, and its compile time (measured in the benchmark).
+The cells are exact when the loss is what they are told (a row mean, a row sum, or ``(loss_sum, count)``); zoos break
+that without a sign (a detector's ``B * sum / max(S, 1)`` trained 4 to 16 times too small). On the first step the
+network's loss on the first two micro-batches together is compared with what the kind tallies from their own losses;
+a mismatch stops before the first update, with the ratio and the route that fits. The passes run eagerly (PyNative, no
+gradient) on the batch the step is first compiled or called with, before anything compiles, through :func:`run_eagerly`
+(which puts back BatchNorm's statistics and what cells' own ``__call__`` set). Batch statistics and dropout are
+tolerated within [1/1.5, 1.5]. Where the batch cannot be reached from Python (a train cell of one's own, a ``jit``
+function, sink mode, dynamic shapes) or the network runs only in graph mode, the graph runs the pair's pass itself.
 """
 import contextlib
 import numbers
@@ -416,20 +396,11 @@ def around_compile(cell: nn.Cell, args: tuple):
 
 
 # --- Errors the network raises on a micro-batch say so ----------------------------------------------------------------
-# A network built for a fixed batch size (a CTC loss configured with the batch's rows, a ``reshape(16, 3)``) fails
-# inside the micro-batch graph with MindSpore's own message, on shapes nothing explains. When a graph fails to compile,
-# the package adds the micro-batches' rows, ``micro_size`` and the fix, where two things say the error is the network's
-# on a micro-batch:
-#
-# 1. the failed compile split a batch into micro-batches: the engine notes itself when its graph is built (a mark the
-#    package owns, cleared at the start of every compile), and
-# 2. the network, run eagerly (no gradient) on the first micro-batch of the same inputs, fails too; where it runs there
-#    but fails on the first two micro-batches together, the error came from the loss contract's check instead. Where
-#    the inputs cannot be reached (a train cell of one's own, a ``jit`` function) the engine's call of the network must
-#    appear in MindSpore's traceback of the error instead.
-#
-# Anything else (a graph-only syntax error such as ``Unsupported statement 'Try'``, an error outside the network)
-# passes through unchanged. Errors at run time (kernels) and in PyNative mode are left as MindSpore raises them.
+# A network built for a fixed batch size fails inside the micro-batch graph with MindSpore's own message. When a compile
+# fails, the micro-batches' rows, micro_size and the fix are added where (1) the failed compile built an engine's graph
+# (its mark, cleared at every compile) and (2) the network, run eagerly on the first micro-batch, fails too (on the
+# first two only: the contract check's pass failed); where the inputs cannot be reached, the engine's call of the
+# network must appear in MindSpore's traceback. Anything else, and errors at run time, pass through unchanged.
 
 # The engine whose graph the compile under way built, if any (see 1. above).
 _NOTED = {"engine": None}

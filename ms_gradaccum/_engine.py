@@ -1,17 +1,12 @@
 """The micro-batch engine both cells own: forward and backward once per micro-batch, in turn, gradients added in place.
 
-Contract: ``engine(inputs, shared, constants, layout, scale, unit, key) -> (value, count, loss_like)``. The batch
-`inputs` (those :func:`~ms_gradaccum._microbatch.plan_inputs` found to split) is split along axis 0 into
-``micro_size`` micro-batches; every micro-batch also receives the `shared` Tensors and the `constants` whole, each in
-its place (`layout`); each runs forward and backward once on its loss times ``scale * weight`` and its
-gradients are added, as the backward pass produces them, into the buffers of the weights the owner trains
-(:meth:`targets`, resolved when the graph compiles). Every micro-batch goes through the same loop body, so the graph
-holds one copy of the network's forward and backward per micro-batch shape: one for a batch ``micro_size`` divides,
-two for any other. The loss kind (_kinds) gives each micro-batch's weight, value and count (`unit`: the count
-unit); ``value`` and ``count`` are their float32 sums over the batch, which the owner normalises with the kind.
-``loss_like`` is zeros of the shape of the network's loss (``()`` or ``(1,)``: MindFormers' models return ``(1,)``),
-so that the owner returns its loss in that shape, as MindSpore's train cells do. `key` names the trained weights, so
-that PyNative mode compiles again when they change.
+Contract: ``engine(inputs, shared, constants, layout, scale, unit, key) -> (value, count, loss_like)``. `inputs` is
+split along axis 0 into ``micro_size`` micro-batches (`shared` and `constants` passed whole, in their places per
+`layout`); each runs forward and backward once on its loss times ``scale * weight`` (the kind's tally, `unit` its
+count unit), adding its gradients into the buffers of the owner's weights (:meth:`targets`) as the backward produces
+them. One loop body, so the graph holds one copy of the network per micro-batch shape (two for an uneven split).
+``value`` and ``count`` are the float32 sums the owner normalises with the kind; ``loss_like`` has the network's loss
+shape (``()`` or ``(1,)``); `key` names the trained weights, so that PyNative mode compiles again when they change.
 """
 from typing import Callable
 

@@ -1,19 +1,11 @@
 """The loss scale: one object per cell, from one source, applied in one place and removed in one place.
 
-A loss scale only protects float16 gradients if it multiplies the loss of the backward pass that computes them.
-Both cells run their micro-batch backward passes themselves, so the scale must be known when those run. It comes
-from exactly one source, chosen when the cell is built (:func:`for_grad_accumulation_cell`,
-:func:`for_train_cell`):
-
-- a fixed number (``GradAccumulationCell(..., loss_scale=1024.0)``);
-- a live Parameter read at every step (``loss_scale=`` a Parameter such as ``DynamicLossScaler.scale_value``, or
-  ``AccumulatingTrainOneStepCell``'s ``scale_sense``);
-- the fixed ``sens`` of the train cell that wraps a ``GradAccumulationCell`` (what ``Model`` builds for a
-  ``FixedLossScaleManager``), read when the graph compiles;
-- none: 1.0, with a ``UserWarning`` when the network computes in float16.
-
-Calling the object gives the float32 scale. The engine applies it (``_engine.ScaledLoss``: loss times scale
-before each micro-batch backward) and ``_buffers.divisor`` removes it from the float32 sums, once.
+A loss scale protects float16 gradients only if it multiplies the loss of the backward pass that computes them, and
+both cells run their micro-batch backward passes themselves. The source is chosen when the cell is built
+(:func:`for_grad_accumulation_cell`, :func:`for_train_cell`): a number; a live Parameter (``loss_scale=`` one, or
+``scale_sense``); the fixed ``sens`` of the train cell around a ``GradAccumulationCell`` (``Model`` with a
+``FixedLossScaleManager``), read when the graph compiles; or none (1.0, warned about for float16 networks). Calling the
+object gives the float32 scale: ``_engine.ScaledLoss`` applies it, ``_buffers.divisor`` removes it.
 """
 import numbers
 import warnings

@@ -1,10 +1,6 @@
-"""Splitting a batch along axis 0 into micro-batches, inside the compiled graph.
-
-A batch of any size is split into ``micro_size`` micro-batches as even as possible (sizes differing by at most
-one); the caller weights each by its true number of rows. The checks run at graph-compile time on static shapes
-(:func:`~ms_gradaccum._mindspore.graph.primexpr`), so a bad batch fails before any computation, with a message
-naming the input and its shape.
-Rows are never dropped.
+"""Splitting a batch along axis 0 into micro-batches, inside the compiled graph: ``micro_size`` parts as even as
+possible (sizes differ by at most one; the caller weights each by its rows; no row is dropped), checked on static
+shapes when the graph compiles, with messages naming the input and its shape.
 """
 import inspect
 from typing import Tuple

@@ -1,14 +1,9 @@
-"""Data parallel: what crosses devices, once per optimizer step (or once per job).
+"""Data parallel: what crosses devices, once per optimizer step (or once per job); imported in that mode only.
 
 - :class:`TokenTotals`: the loss value and count of token losses summed over devices in one 2-float all-reduce.
 - :class:`InPlaceAllReduce`: the gradient all-reduce of ``nn.DistributedGradReducer``, done in place on buffers.
 - :class:`ReplicaCheck`: at the first step, all ranks must hold the same weights (one small all-gather, once).
-
-Every one of them decides when the graph compiles whether data parallel is in force (the parallel context may be set
-after the cell is built), and refuses data parallel without ``mindspore.communication.init()``, which would
-otherwise crash the process at the first step.
-
-Under semi-auto/auto parallel MindSpore's own pass accumulates instead (_parallel_pass).
+- :func:`check_data_parallel_ready`: refuses data parallel without ``mindspore.communication.init()``.
 """
 from typing import Callable
 

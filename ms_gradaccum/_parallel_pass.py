@@ -1,15 +1,10 @@
-"""Semi-auto/auto parallel (Ascend/GPU only): the hand-over to MindSpore's own accumulation.
+"""Semi-auto/auto parallel (Ascend/GPU only): the hand-over to MindSpore's own accumulation (docs/design.md).
 
-``Model`` routes a cell named ``GradAccumulationCell`` into MindSpore's private ``_TrainGradAccuStepCell``, and the
-parallel compiler pass accumulates the micro-batch gradients into ``accu_grads`` buffers (sharded by the parallel
-optimizer). MindSpore's own :class:`mindspore.parallel.nn.GradAccumulation` marks what that pass reads: a
-``StridedSlice`` per micro-batch carrying ``grad_accu_num`` and ``Add`` ops carrying ``forward_end``.
-:class:`ParallelPassAccumulation` only wraps it so that the value is the mean loss and the loss scale is not lost on the
-way. The cell uses it when one of these modes is in force, set by ``set_auto_parallel_context`` or by ``AutoParallel``
-(which sets it while ``Model`` builds its train cell and while the graph compiles).
-
-Imported only in those modes (by GradAccumulationCell, when it is built or its graph compiles there): a stand-alone or
-data-parallel step never reads this module.
+``Model`` routes a cell named ``GradAccumulationCell`` into MindSpore's ``_TrainGradAccuStepCell``, and the parallel
+compiler pass accumulates into its ``accu_grads`` buffers, reading the marks of
+:class:`mindspore.parallel.nn.GradAccumulation`. :class:`ParallelPassAccumulation` wraps that cell so that the value is
+the mean loss and the loss scale is not lost on the way. Imported only in those modes: a stand-alone or data-parallel
+step never reads this module.
 """
 from mindspore import nn, ops
 from mindspore.common import dtype as mstype
