@@ -31,19 +31,29 @@ def _processes_with_env(marker: str, rank: int) -> list:
     return found
 
 
-def _wait_for(condition, timeout: float, what: str) -> None:
+def _wait_for(condition, timeout: float, what: str, log=None) -> None:
+    """Polls `condition` until it holds; fails after `timeout` s, with the last lines of the file `log` where given."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            tail = "" if log is None else \
+                f"; last lines of {log}:\n" + "".join(_read(str(log)).splitlines(keepends=True)[-15:])
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}{tail}")
         time.sleep(0.5)
+
+
+def _still_running(job, what: str) -> bool:
+    """True while run.sh runs; fails at once, with its output, when it ended before `what`."""
+    if job.poll() is not None:
+        raise AssertionError(f"run.sh ended (exit {job.returncode}) before {what}:\n{job.communicate()[0][-3000:]}")
+    return True
 
 
 def _kill_rank_1_when(job, worker_1, text: str, marker: str, what: str) -> tuple:
     """Waits until rank 1's log holds `text`, kills rank 1 with SIGKILL and waits for run.sh: ``(its output, seconds
     from the kill to its end)``. run.sh is killed if it is still running when this ends."""
     try:
-        _wait_for(lambda: worker_1.exists() and text in worker_1.read_text(errors="replace"), 240, what)
+        _wait_for(lambda: _still_running(job, what) and text in _read(str(worker_1)), 240, what, log=worker_1)
         pids = _processes_with_env(marker, 1)
         assert len(pids) == 1, f"expected one rank-1 process, found {pids}"
         os.kill(pids[0], 9)
@@ -130,7 +140,8 @@ def _stop_and_time(job, marker: str, send, bound: float) -> tuple:
     job is left, the job's processes found just before)``."""
     log = None
     try:
-        _wait_for(lambda: job.poll() is None and "epoch 2/" in _read(_rank_0_log(job)), 240, "rank 0 to train")
+        _wait_for(lambda: _still_running(job, "rank 0 trained") and "epoch 2/" in _read(_rank_0_log(job)), 240,
+                  "rank 0 to train", log=_rank_0_log(job))
         log = _read(_rank_0_log(job))
         before = _job_processes(marker)
         sent = time.monotonic()
