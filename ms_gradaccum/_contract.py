@@ -402,7 +402,7 @@ def around_compile(cell: nn.Cell, args: tuple):
 # first two only: the contract check's pass failed); where the inputs cannot be reached, the engine's call of the
 # network must appear in MindSpore's traceback. Anything else, and errors at run time, pass through unchanged.
 
-# The engine whose graph the compile under way built, if any (see 1. above).
+# The engine whose graph the compile under way built, if any (see (1) above).
 _NOTED = {"engine": None}
 
 

@@ -31,15 +31,18 @@ def _processes_with_env(marker: str, rank: int) -> list:
     return found
 
 
-def _wait_for(condition, timeout: float, what: str, log=None) -> None:
-    """Polls `condition` until it holds; fails after `timeout` s, with the last lines of the file `log` where given."""
+def _wait_for(condition, timeout: float, what: str, report=None) -> None:
+    """Polls `condition` until it holds; fails after `timeout` s, with what ``report()`` says where given."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            tail = "" if log is None else \
-                f"; last lines of {log}:\n" + "".join(_read(str(log)).splitlines(keepends=True)[-15:])
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}{tail}")
+            said = "" if report is None else f"\n{report()}"
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}{said}")
         time.sleep(0.5)
+
+
+def _log_tail(path) -> str:
+    return f"last lines of {path}:\n" + "".join(_read(str(path)).splitlines(keepends=True)[-15:])
 
 
 def _still_running(job, what: str) -> bool:
@@ -53,7 +56,8 @@ def _kill_rank_1_when(job, worker_1, text: str, marker: str, what: str) -> tuple
     """Waits until rank 1's log holds `text`, kills rank 1 with SIGKILL and waits for run.sh: ``(its output, seconds
     from the kill to its end)``. run.sh is killed if it is still running when this ends."""
     try:
-        _wait_for(lambda: _still_running(job, what) and text in _read(str(worker_1)), 240, what, log=worker_1)
+        _wait_for(lambda: _still_running(job, what) and text in _read(str(worker_1)), 240, what,
+                  report=lambda: _log_tail(worker_1))
         pids = _processes_with_env(marker, 1)
         assert len(pids) == 1, f"expected one rank-1 process, found {pids}"
         os.kill(pids[0], 9)
@@ -141,7 +145,7 @@ def _stop_and_time(job, marker: str, send, bound: float) -> tuple:
     log = None
     try:
         _wait_for(lambda: _still_running(job, "rank 0 trained") and "epoch 2/" in _read(_rank_0_log(job)), 240,
-                  "rank 0 to train", log=_rank_0_log(job))
+                  "rank 0 to train", report=lambda: _log_tail(_rank_0_log(job)))
         log = _read(_rank_0_log(job))
         before = _job_processes(marker)
         sent = time.monotonic()
@@ -472,13 +476,19 @@ def test_run_sh_two_nodes_of_two_workers_train_one_job(tmp_path):
     assert len(set(finals.values())) == 1, finals   # identical weights on all 4 ranks
 
 
-def _stop_nodes_and_fail(tmp_path, nodes, why: str):
-    """Kills every node still running and fails with ``why`` and what each node and rank printed."""
+def _stopped_nodes_report(tmp_path, nodes) -> str:
+    """Kills every node still running; what each node and rank printed (:func:`_nodes_report`)."""
     for node in nodes:
         if node.poll() is None:
             os.killpg(node.pid, 9)
-    outputs = [node.communicate(timeout=60)[0] for node in nodes]
-    raise AssertionError(f"{why}\n{_nodes_report(tmp_path, nodes, outputs)}")
+    return _nodes_report(tmp_path, nodes, [node.communicate(timeout=60)[0] for node in nodes])
+
+
+def _nodes_running(tmp_path, nodes, what: str) -> bool:
+    """True while every node runs; fails at once, with every node's and rank's output, when one ended before `what`."""
+    if any(node.poll() is not None for node in nodes):
+        raise AssertionError(f"a node ended before {what}\n{_stopped_nodes_report(tmp_path, nodes)}")
+    return True
 
 
 def test_run_sh_killed_node_fails_the_other_node(tmp_path):
@@ -489,16 +499,12 @@ def test_run_sh_killed_node_fails_the_other_node(tmp_path):
     nodes = [_start_node(tmp_path, rank, port, marker, "--epochs", "500", "--loss-every", "1", MS_NODE_TIMEOUT="30")
              for rank in (0, 1)]
     try:
-        # Four ranks compile on two cores beside the suite's other workers: CI once needed more than 240 s. A node
-        # that ends before then fails the test at once, with every log's tail.
+        # Four ranks compile on two cores beside the suite's other workers: in one CI run rank 3 had not trained after
+        # 240 s. A node that ends before then fails the test at once, with every log's tail.
         worker_3 = tmp_path / "node1" / "1" / "rank.3" / "stdout"
-        deadline = time.monotonic() + 480
-        while not (worker_3.exists() and "loss is" in worker_3.read_text(errors="replace")):
-            if any(node.poll() is not None for node in nodes):
-                _stop_nodes_and_fail(tmp_path, nodes, "a node ended before node 1's rank 3 trained")
-            if time.monotonic() > deadline:
-                _stop_nodes_and_fail(tmp_path, nodes, "timed out after 480 s waiting for node 1's rank 3 to train")
-            time.sleep(0.5)
+        what = "node 1's rank 3 to train"
+        _wait_for(lambda: _nodes_running(tmp_path, nodes, what) and "loss is" in _read(str(worker_3)), 480, what,
+                  report=lambda: _stopped_nodes_report(tmp_path, nodes))
         os.killpg(nodes[1].pid, 9)
         for rank in (2, 3):
             for pid in _processes_with_env(marker, rank):
