@@ -102,11 +102,19 @@ def test_mindformers_trainer_micro_batches_train_like_the_full_batch(tmp_path):
         assert_updates_close(weights(result), control, initial, fraction=FRACTION)
 
 
+# 6 dataset steps of 4 rows, 2 micro-batches each, an optimizer step every 3: two full batches of 12 rows.
+WINDOWS = dict(rows="plain", count=24, batch=4, keys={"micro_size": 2, "accumulate_steps": 3})
+
+
+@pytest.fixture(scope="module")
+def windows_run(tmp_path_factory):
+    """The Trainer over WINDOWS, uninterrupted: the windows test's run and the resume test's reference."""
+    return run_trainer(tmp_path_factory.mktemp("windows"), **WINDOWS)
+
+
 @pytest.mark.slow
-def test_mindformers_trainer_windows_of_dataset_steps_train_like_their_full_batch(tmp_path):
-    # 6 dataset steps of 4 rows, 2 micro-batches each, an optimizer step every 3: two full batches of 12 rows.
-    result = run_trainer(tmp_path / "trainer", rows="plain", count=24, batch=4,
-                         keys={"micro_size": 2, "accumulate_steps": 3})
+def test_mindformers_trainer_windows_of_dataset_steps_train_like_their_full_batch(windows_run):
+    result = windows_run
     expected, initial, _, _ = reference(joined(dataset_batches(result), 3))
     assert int(result["steps"]) == 2
     assert_updates_close(weights(result), expected, initial, fraction=FRACTION)
@@ -150,11 +158,11 @@ def test_mindformers_trainer_dynamic_loss_scale_with_a_binding_clip(tmp_path):
 
 
 @pytest.mark.slow
-def test_mindformers_trainer_resumed_mid_window_ends_like_the_uninterrupted_run(tmp_path):
+def test_mindformers_trainer_resumed_mid_window_ends_like_the_uninterrupted_run(tmp_path, windows_run):
     # Windows of 3 dataset steps; the first run stops after 4 steps, with a checkpoint there (one step into the second
-    # window); the resumed run reads it with MindFormers' resume_training and trains steps 5 and 6.
-    spec = dict(rows="plain", count=24, batch=4, keys={"accumulate_steps": 3})
-    full = run_trainer(tmp_path / "full", **spec)
+    # window); the resumed run reads it with MindFormers' resume_training and trains steps 5 and 6. The uninterrupted
+    # run is the windows test's.
+    spec, full = WINDOWS, windows_run
     first = dict(spec, count=16, args={"save_steps": 4})
 
     def resumed(name, keys):
