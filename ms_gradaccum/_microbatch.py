@@ -178,7 +178,7 @@ def check_loss_output(cls_name: str, returns_count: bool, is_tuple: bool, shapes
 
 
 # The per-input work of the split is one Map over the inputs: a Python loop building a tuple compiles into subgraphs
-# of its own per input and part (26 subgraphs and 47 nodes more for the benchmark LM, compile_probe's graph size).
+# of its own per input and part (docs/measurements.md, "Where it goes").
 _MAP = ops.Map()
 _GATHER = ops.Gather()
 _part_of = ops.MultitypeFuncGraph("_part_of")
