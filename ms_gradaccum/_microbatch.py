@@ -185,9 +185,9 @@ _part_of = ops.MultitypeFuncGraph("_part_of")
 _row_of = ops.MultitypeFuncGraph("_row_of")
 
 
-@_part_of.register("Number", "Number", "Number", "Bool", "Tensor")
-def _part_of_tensor(start, count, rows, whole, x):
-    part = x if whole else x[start:start + count * rows]
+@_part_of.register("Number", "Number", "Number", "Tensor")
+def _part_of_tensor(start, count, rows, x):
+    part = x if count * rows == x.shape[0] else x[start:start + count * rows]
     return part.reshape((count, rows) + x.shape[1:])
 
 
@@ -206,7 +206,7 @@ def split_batch(inputs: tuple, micro_size: int) -> Tuple:
     parts = ()
     start = 0
     for count, rows in planned(batch, micro_size):
-        parts += ((_MAP(ops.partial(_part_of, start, count, rows, count * rows == batch), inputs), count, rows),)
+        parts += ((_MAP(ops.partial(_part_of, start, count, rows), inputs), count, rows),)
         start += count * rows
     return parts
 
