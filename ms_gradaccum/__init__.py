@@ -9,7 +9,7 @@ from ms_gradaccum._kinds import RowSum as RowSum
 from ms_gradaccum._kinds import TokenMean as TokenMean
 from ms_gradaccum._scheduler import GradAccumulationScheduler as GradAccumulationScheduler
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell as AccumulatingTrainOneStepCell
-from ms_gradaccum._tokens import token_sum_loss as token_sum_loss
+from ms_gradaccum._token_sum import token_sum_loss as token_sum_loss
 
 __version__ = "0.2.0"
 

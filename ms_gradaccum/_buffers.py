@@ -1,9 +1,9 @@
-"""The accumulation buffers: every in-place buffer operation and every divisor of the package (design.md, "Data flow").
+"""The accumulation buffers, the in-place operations of a step on them, and every divisor (design.md, "Data flow").
 
 Buffers are ``Parameter``s (``requires_grad=False``) named ``accu_grads.<weight name>``: gradients are added into them
-in place as they are produced, memory accounting that counts Parameters sees them, and checkpoints carry them; scalar
-window state is ``accu_state.<name>``. :func:`normalise` turns the tallies into the loss, ``rows * value / max(count,
-floor)``, and the buffers' divisor, ``scale * max(count, floor) / (devices factor * rows)``.
+in place as they are produced, memory accounting that counts Parameters sees them, and checkpoints carry them (what a
+window does with them at its optimizer step is in _window). :func:`normalise` turns the tallies into the loss,
+``rows * value / max(count, floor)``, and the buffers' divisor, ``scale * max(count, floor) / (devices factor * rows)``.
 """
 from typing import Sequence
 
@@ -14,11 +14,9 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._mindspore.surroundings import own_parameters
 from ms_gradaccum._mindspore.graph import primexpr
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE
-from ms_gradaccum._mindspore.version import AUGMENTED_ASSIGNMENT_IN_PLACE
 from ms_gradaccum._microbatch import plan
 
 GRAD_PREFIX = "accu_grads"
-STATE_PREFIX = "accu_state"
 _LOW_PRECISION = (mstype.float16, mstype.bfloat16)
 
 
@@ -88,8 +86,6 @@ class GradientBuffers(nn.Cell):
 
 _HYPER_MAP = ops.HyperMap()
 _add_into = ops.MultitypeFuncGraph("_add_into")
-_zero = ops.MultitypeFuncGraph("_zero")
-_divide = ops.MultitypeFuncGraph("_divide")
 
 
 # Primitives, not the ops.cast / ops.assign / ops.assign_add functions: one node per weight instead of a call into a
@@ -116,36 +112,12 @@ def _clear_buffer(buffer):
     return _ASSIGN(buffer, ZEROS_LIKE(buffer))
 
 
-@_zero.register("Tensor", "Tensor")
-def _zero_buffer(after, buffer):
-    # The data dependency on `after` orders the reset after whatever `after` stands for (e.g. the optimizer).
-    return _ASSIGN(buffer, ops.depend(ZEROS_LIKE(buffer), after))
-
-
-@_divide.register("Tensor", "Tensor")
-def _divide_buffer(divisor, buffer):
-    if AUGMENTED_ASSIGNMENT_IN_PLACE:
-        buffer /= ops.cast(divisor, buffer.dtype)
-        return buffer
-    return ops.assign(buffer, buffer / ops.cast(divisor, buffer.dtype))
-
-
 def add_gradients(buffers, grads, after, cast: bool):
     """``buffers += grads``, in place, in the order given (the engine gives the last weight first), each gradient cast
     to its buffer's dtype when `cast` (a compile-time constant). Returns `after` made to depend on the writes."""
     if cast:
         return ops.depend(after, _HYPER_MAP(_add_cast_into, buffers, grads))
     return ops.depend(after, _HYPER_MAP(_add_into, buffers, grads))
-
-
-def divide_in_place(buffers, divisor):
-    """Each buffer / `divisor` (a scalar Tensor), in the buffer's dtype, written into the buffer; returns the buffers.
-
-    In graph mode ``/=`` on a Parameter divides in place (InplaceDiv), so the mean costs no memory; where MindSpore
-    does not (2.7, see _mindspore.version) each buffer is assigned its quotient, one after another. MindSpore drops the
-    divisions when nothing reads the quotients: make what follows depend on them.
-    """
-    return _HYPER_MAP(ops.partial(_divide, divisor), buffers)
 
 
 def multiply_in_place(buffer, numerator, denominator):
@@ -159,24 +131,6 @@ def multiply_in_place(buffer, numerator, denominator):
 def zero_buffers(buffers):
     """buffers = 0, in place, in program order; returns the writes (make what follows depend on them)."""
     return _HYPER_MAP(_clear, buffers)
-
-
-def clear(buffers, after):
-    """buffers = 0, in place, once `after` has been computed; returns `after` made to depend on the writes."""
-    return ops.depend(after, _HYPER_MAP(ops.partial(_zero, after), buffers))
-
-
-_cast_like = ops.MultitypeFuncGraph("_cast_like")
-
-
-@_cast_like.register("Tensor", "Tensor")
-def _cast_like_tensor(tensor, like):
-    return ops.cast(tensor, like.dtype)
-
-
-def cast_like(hyper_map, tensors, weights):
-    """Each tensor cast to its weight's dtype, for the optimizer."""
-    return hyper_map(_cast_like, tensors, weights)
 
 
 # --- divisors -------------------------------------------------------------------------------------------------------

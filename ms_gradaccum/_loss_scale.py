@@ -2,7 +2,7 @@
 
 A loss scale protects float16 gradients only if it multiplies the loss of the backward pass that computes them, and
 both cells run their micro-batch backward passes themselves. The source is chosen when the cell is built
-(:func:`for_grad_accumulation_cell`, :func:`for_train_cell`): a number; a live Parameter (``loss_scale=`` one, or
+(:func:`for_grad_accumulation_cell`, ``_steps.scale_of``): a number; a live Parameter (``loss_scale=`` one, or
 ``scale_sense``); the fixed ``sens`` of the train cell around a ``GradAccumulationCell`` (``Model`` with a
 ``FixedLossScaleManager``), read when the graph compiles; or none (1.0, warned about for float16 networks). Calling the
 object gives the float32 scale: ``_engine.ScaledLoss`` applies it, ``_buffers.divisor`` removes it.
@@ -10,7 +10,7 @@ object gives the float32 scale: ``_engine.ScaledLoss`` applies it, ``_buffers.di
 import numbers
 import warnings
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import numpy as np
 from mindspore import nn, ops, Parameter, Tensor
@@ -18,10 +18,9 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._mindspore.surroundings import PRECISION_FLAGS, applied_sens, discover
-from ms_gradaccum._validation import argument_error, check_positive_float, computes_in_float16
+from ms_gradaccum._validation import argument_error, computes_in_float16
 
-SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)
-_SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
+SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
                                    "nn.FixedLossScaleUpdateCell",
                    "loss_scale": "None, a positive finite float, or a scalar Tensor or Parameter"}
 
@@ -43,7 +42,7 @@ class PrecisionNeutral(nn.Cell):
 
 def check_scale_value(value: Any, arg_name: str, cls_name: str) -> float:
     """A loss scale given as a number or a scalar Tensor: finite and > 0 (bool is not a number)."""
-    expected = _SCALE_EXPECTED[arg_name]
+    expected = SCALE_EXPECTED[arg_name]
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
         raise TypeError(argument_error(cls_name, arg_name, expected, value))
     if isinstance(value, Tensor):
@@ -58,13 +57,6 @@ def check_scale_value(value: Any, arg_name: str, cls_name: str) -> float:
     if not np.isfinite(number) or number <= 0:
         raise ValueError(argument_error(cls_name, arg_name, expected, value))
     return number
-
-
-def check_max_grad_norm(value: Any, cls_name: str) -> Optional[float]:
-    """``None`` (no clipping) or a positive finite float."""
-    if value is None:
-        return None
-    return check_positive_float(value, "max_grad_norm", cls_name, "None or a positive float")
 
 
 class LossScale(PrecisionNeutral):
@@ -116,16 +108,6 @@ class LiveScale(LossScale):
         return ops.cast(self.parameter, mstype.float32).reshape(())
 
 
-class NoScale(LossScale):
-    """No loss scaling (AccumulatingTrainOneStepCell without ``scale_sense``)."""
-
-    def check(self) -> None:
-        self.warn_if_float16()
-
-    def construct(self):
-        return Tensor(1.0, mstype.float32)
-
-
 class WrapperScale(LossScale):
     """The fixed ``sens`` of the train cell wrapping `owner`, read when the graph compiles (1.0 without one)."""
 
@@ -159,8 +141,6 @@ class WrapperScale(LossScale):
 
 _CELL_FIX = ("Pass the scale to the cell: GradAccumulationCell(loss_net, micro_size, loss_scale=scaler.scale_value) "
              "(the scaler's Parameter, read live) or loss_scale=1024.0.")
-_TRAIN_CELL_FIX = ("Pass one: AccumulatingTrainOneStepCell(..., scale_sense=nn.DynamicLossScaleUpdateCell(2**12, 2, "
-                   "1000)) or scale_sense=1024.0.")
 
 
 def for_grad_accumulation_cell(loss_scale: Any, owner: nn.Cell, network: nn.Cell, cls_name: str) -> LossScale:
@@ -173,38 +153,3 @@ def for_grad_accumulation_cell(loss_scale: Any, owner: nn.Cell, network: nn.Cell
     return FixedScale(value, cls_name, network, _CELL_FIX)
 
 
-def for_train_cell(scale_sense: Any, network: nn.Cell, cls_name: str,
-                   managers: tuple = SCALE_MANAGERS) -> Tuple[LossScale, Optional[nn.Cell]]:
-    """``(scale, update cell or None)`` from what ``nn.TrainOneStepWithLossScaleCell`` takes as `scale_sense` (an
-    update cell being one of `managers`); the scale lives in a Parameter named ``scale_sense`` (checkpoints carry
-    it)."""
-    if scale_sense is None:
-        return NoScale(cls_name, network, _TRAIN_CELL_FIX), None
-    if isinstance(scale_sense, nn.Cell):
-        if not isinstance(scale_sense, managers):
-            expected = _SCALE_EXPECTED["scale_sense"]
-            if managers != SCALE_MANAGERS:
-                expected = (f"a positive finite float, a scalar Tensor or one of "
-                            f"{', '.join(manager.__name__ for manager in managers)}")
-            raise TypeError(argument_error(cls_name, "scale_sense", expected, scale_sense))
-        value = check_scale_value(scale_sense.get_loss_scale(), "scale_sense", cls_name)
-        manager = scale_sense
-    else:
-        value = check_scale_value(scale_sense, "scale_sense", cls_name)
-        manager = None
-    parameter = Parameter(Tensor(value, mstype.float32), name="scale_sense", requires_grad=False)
-    return LiveScale(parameter, cls_name, network, _TRAIN_CELL_FIX), manager
-
-
-_all_finite = ops.MultitypeFuncGraph("_all_finite")
-
-
-@_all_finite.register("Tensor")
-def _all_finite_tensor(grad):
-    return ops.isfinite(grad).all()
-
-
-def all_finite(hyper_map, grads) -> Tensor:
-    """True when every gradient is finite: a portable overflow check (CPU too), on the float32 sums."""
-    flags = hyper_map(_all_finite, grads)
-    return ops.stack(flags).all()

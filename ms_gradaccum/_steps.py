@@ -6,21 +6,22 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum import _buffers, _loss_scale
+from ms_gradaccum import _buffers, _window
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._cell import DataParallelParts, GradAccumulationCell, data_parallel_module
 from ms_gradaccum._contract import PreparedCalls
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, discover, parallel_mode
-from ms_gradaccum._kinds import LossKind
-from ms_gradaccum._kinds import LossSpec
-from ms_gradaccum._validation import (argument_error, check_cell, check_has_parameters, check_positive_int,
-                                      foreign_optimizer_error)
+from ms_gradaccum._kinds import LossKind, LossSpec
+from ms_gradaccum._loss_scale import SCALE_EXPECTED, LiveScale, LossScale, check_scale_value
+from ms_gradaccum._validation import (argument_error, check_cell, check_has_parameters, check_positive_float,
+                                      check_positive_int, foreign_optimizer_error)
 from ms_gradaccum._window import StateUnderOptimizer, Window
 
 
 _NAME = "AccumulatingTrainOneStepCell"
+SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)   # what scale_sense may be
 
 
 class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOneStepCell):
@@ -76,7 +77,7 @@ class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOne
     buffer_prefix = _buffers.GRAD_PREFIX
     #: The loss-scale update cells `scale_sense` may be (protocol: ``get_loss_scale()``, ``construct(scale, overflow)
     #: -> overflow``).
-    scale_update_cells = _loss_scale.SCALE_MANAGERS
+    scale_update_cells = SCALE_MANAGERS
     #: Whether an overflowing window's step is skipped (mindone's ``drop_overflow_update=False`` applies it anyway).
     skips_overflow = True
     #: Whether the window's state (:meth:`state`) is registered under the optimizer too, for trainers whose resume
@@ -97,8 +98,9 @@ class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOne
                                                          min_count=min_count, check_loss=check_loss, kind=kind))
         if steps_per_epoch is not None:
             steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
-        max_grad_norm = _loss_scale.check_max_grad_norm(max_grad_norm, _NAME)
-        scale, manager = _loss_scale.for_train_cell(scale_sense, loss_network, _NAME, self.scale_update_cells)
+        if max_grad_norm is not None:
+            max_grad_norm = check_positive_float(max_grad_norm, "max_grad_norm", _NAME, "None or a positive float")
+        scale, manager = scale_of(scale_sense, loss_network, self.scale_update_cells)
         check_has_parameters(loss_network, "network", _NAME)
         foreign = foreign_optimizer_error(_NAME, loss_network, optimizer)
         if foreign is not None:
@@ -253,13 +255,13 @@ class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOne
             # Summed across devices in the buffers, one after another, then divided in place (times the device count
             # when the reducer averages): no gradient-sized tensor per weight.
             after = self.in_place_reducer(self.grad_sums, divisor)
-            mean = _buffers.divide_in_place(self.grad_sums, ops.depend(divisor, after) * self.in_place_reducer.devices)
+            mean = _window.divide_in_place(self.grad_sums, ops.depend(divisor, after) * self.in_place_reducer.devices)
         else:
-            mean = self.grad_reducer(_buffers.divide_in_place(self.grad_sums, divisor))
+            mean = self.grad_reducer(_window.divide_in_place(self.grad_sums, divisor))
         # The step depends on the quotients: MindSpore drops in-place kernels whose outputs nothing reads.
         overflow = ops.depend(Tensor(False, mstype.bool_), mean)
         if self.loss_scaled:
-            overflow = ops.logical_not(_loss_scale.all_finite(self.hyper_map, mean))
+            overflow = ops.logical_not(all_finite(self.hyper_map, mean))
             if self.loss_scaling_manager is not None:
                 if not empty:
                     overflow = self.loss_scaling_manager(self.scale_sense, overflow)
@@ -269,7 +271,7 @@ class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOne
             stepped = ops.depend(stepped, self._step(mean))
         # A scalar that exists only once the optimizer has run (or was skipped): the resets depend on it.
         done = ops.depend(ops.zeros((), mstype.int32), stepped)
-        done = ops.depend(done, _buffers.clear(self.grad_sums, done))
+        done = ops.depend(done, _window.clear(self.grad_sums, done))
         return ops.depend(overflow, window.reset(done, window_loss))
 
     def _step(self, mean):
@@ -281,11 +283,11 @@ class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOne
             # read of a Parameter that is read more than once in a graph (TensorMove; under data parallel the
             # all-reduce reads them too): all the copies alive at once (docs/measurements.md).
             read_in_place = self.reduce_in_place and self.buffers_match_weights
-            grads = self.grad_sums if read_in_place else _buffers.cast_like(self.hyper_map, mean, self.weights)
+            grads = self.grad_sums if read_in_place else _window.cast_like(self.hyper_map, mean, self.weights)
             return self.after_optimizer_step(ops.depend(stepped, self.optimizer(grads)))
         grads, step = self.transform_gradients(mean)
         if step:
-            stepped = ops.depend(stepped, self.optimizer(_buffers.cast_like(self.hyper_map, grads, self.weights)))
+            stepped = ops.depend(stepped, self.optimizer(_window.cast_like(self.hyper_map, grads, self.weights)))
             stepped = self.after_optimizer_step(stepped)
         return stepped
 
@@ -345,3 +347,52 @@ def _loss_network(network: nn.Cell, given: dict) -> tuple:
                 f"{type(network).__name__} as '{name}'. Wrap the loss network in GradAccumulationCell last, or "
                 f"pass micro_size here: {_NAME}(loss_net, optimizer, accumulate_steps, micro_size=...).")
     return network, spec
+
+
+# --- The loss scale as nn.TrainOneStepWithLossScaleCell takes it (`scale_sense`), the clip norm, the overflow check ---
+
+_SCALE_FIX = ("Pass one: AccumulatingTrainOneStepCell(..., scale_sense=nn.DynamicLossScaleUpdateCell(2**12, 2, 1000)) "
+              "or scale_sense=1024.0.")
+
+
+class NoScale(LossScale):
+    """No loss scaling (without ``scale_sense``): 1.0, warned about for float16 networks."""
+
+    def check(self) -> None:
+        self.warn_if_float16()
+
+    def construct(self):
+        return Tensor(1.0, mstype.float32)
+
+
+def scale_of(scale_sense, network: nn.Cell, managers: tuple) -> tuple:
+    """``(scale, update cell or None)`` from what ``nn.TrainOneStepWithLossScaleCell`` takes as `scale_sense` (an
+    update cell being one of `managers`); the scale lives in a Parameter named ``scale_sense`` (checkpoints carry
+    it)."""
+    if scale_sense is None:
+        return NoScale(_NAME, network, _SCALE_FIX), None
+    if isinstance(scale_sense, nn.Cell):
+        if not isinstance(scale_sense, managers):
+            expected = SCALE_EXPECTED["scale_sense"] if managers == SCALE_MANAGERS else (
+                f"a positive finite float, a scalar Tensor or one of {', '.join(m.__name__ for m in managers)}")
+            raise TypeError(argument_error(_NAME, "scale_sense", expected, scale_sense))
+        value = check_scale_value(scale_sense.get_loss_scale(), "scale_sense", _NAME)
+        manager = scale_sense
+    else:
+        value = check_scale_value(scale_sense, "scale_sense", _NAME)
+        manager = None
+    parameter = Parameter(Tensor(value, mstype.float32), name="scale_sense", requires_grad=False)
+    return LiveScale(parameter, _NAME, network, _SCALE_FIX), manager
+
+
+_all_finite = ops.MultitypeFuncGraph("_all_finite")
+
+
+@_all_finite.register("Tensor")
+def _all_finite_tensor(grad):
+    return ops.isfinite(grad).all()
+
+
+def all_finite(hyper_map, grads) -> Tensor:
+    """True when every gradient is finite: a portable overflow check (CPU too), on the float32 sums."""
+    return ops.stack(hyper_map(_all_finite, grads)).all()

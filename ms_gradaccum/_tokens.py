@@ -1,4 +1,4 @@
-"""Losses that average over valid tokens: the exact route (token_sum_loss) and the warning where it is not taken.
+"""Losses that average over valid tokens: the warning where the exact route (``token_sum_loss``) is not taken.
 
 A loss such as ``nn.CrossEntropyLoss(ignore_index=-100, reduction='mean')`` divides by the number of labels it does not
 ignore (times their class weights), and MindFormers' ``CrossEntropyLoss`` by the number of unmasked tokens.
@@ -7,20 +7,13 @@ Micro-batches with different such counts are not weighted by their rows: only ``
 with ``num_items_in_batch``).
 """
 import contextlib
-import copy
 import warnings
 
 import numpy as np
-from mindspore import nn, ops, Tensor
-
-from ms_gradaccum._validation import argument_error
-
-_NAME = "token_sum_loss"
-_SUPPORTED = ("mindspore.nn.CrossEntropyLoss or mindspore.nn.NLLLoss with reduction='mean', or MindFormers' "
-              "CrossEntropyLoss")
+from mindspore import nn, Tensor
 
 
-def _is_mindformers_cross_entropy(cell: nn.Cell) -> bool:
+def is_mindformers_cross_entropy(cell: nn.Cell) -> bool:
     return type(cell).__name__ == "CrossEntropyLoss" and type(cell).__module__.startswith("mindformers") and \
         hasattr(cell, "calculate_per_token_loss")
 
@@ -30,21 +23,16 @@ def _token_means(network: nn.Cell) -> list:
     update differs from the full batch's whatever the labels (class weights, MindFormers' input_mask); else only
     where the labels make it so (ignored labels, several labels per row), which :class:`LabelWatch` looks at."""
     found = []
-    # The adapter holds a summing copy of the loss: neither it nor what it holds averages.
-    summed = {id(sub) for _, cell in network.cells_and_names() if isinstance(cell, TokenSumLoss)
-              for _, sub in cell.cells_and_names()}
     for name, cell in network.cells_and_names():
-        if id(cell) in summed:
-            continue
         if isinstance(cell, (nn.CrossEntropyLoss, nn.NLLLoss)) and cell.reduction == "mean":
             found.append((name or "network", cell, cell.weight is not None))
-        elif _is_mindformers_cross_entropy(cell) and not cell.calculate_per_token_loss:
+        elif is_mindformers_cross_entropy(cell) and not cell.calculate_per_token_loss:
             found.append((name or "network", cell, True))
     return found
 
 
 def _describe(name: str, cell: nn.Cell) -> str:
-    if _is_mindformers_cross_entropy(cell):
+    if is_mindformers_cross_entropy(cell):
         return f"{name} (MindFormers CrossEntropyLoss: mean over the tokens its input_mask keeps)"
     weighted = ", weighted by class" if cell.weight is not None else ""
     return (f"{name} ({type(cell).__name__}: mean over the labels that are not "
@@ -136,75 +124,3 @@ class LabelWatch:
                 self.findings.setdefault(name, " and ".join(seen) + " on the first step")
             return None
         return hook
-
-
-class TokenSumLoss(nn.Cell):
-    """``(loss_sum, count)`` of an ``nn.CrossEntropyLoss``/``nn.NLLLoss`` mean: the same loss with ``reduction='sum'``
-    and the divisor the mean would use (the class weights of the labels that are not ignored; for probability
-    labels, the number of rows). The count carries no gradient."""
-
-    def __init__(self, sum_loss: nn.Cell, ignore_index: int, weight):
-        super().__init__()
-        self.sum_loss = sum_loss
-        self.ignore_index = ignore_index
-        self.weight = weight
-
-    def construct(self, logits, labels):
-        loss_sum = self.sum_loss(logits, labels)
-        if labels.ndim == logits.ndim:   # probabilities per class: the mean is over rows (every axis but the class)
-            count = ops.cast(logits.size // logits.shape[1], loss_sum.dtype)
-            return loss_sum, ops.stop_gradient(ops.fill(loss_sum.dtype, (), count))
-        valid = labels != self.ignore_index
-        per_label = ops.cast(valid, loss_sum.dtype)
-        if self.weight is not None:
-            safe = ops.select(valid, labels, ops.zeros_like(labels))
-            per_label = per_label * ops.gather(self.weight, safe, 0)
-        return loss_sum, ops.stop_gradient(per_label.sum())
-
-
-def token_sum_loss(loss_fn: nn.Cell) -> nn.Cell:
-    r"""
-    The ``(loss_sum, count)`` form of a loss that averages over valid tokens, for ``per_token_loss=True``.
-
-    ``nn.CrossEntropyLoss``/``nn.NLLLoss`` with ``reduction='mean'``: a new cell that returns the same loss summed and
-    the count the mean divides by (labels other than ``ignore_index``, times their class ``weight``; for probability
-    labels, the rows), so that :class:`GradAccumulationCell` divides the whole batch's sum by the whole batch's count.
-    MindFormers' ``CrossEntropyLoss``: a copy with its own ``calculate_per_token_loss=True`` (it then returns its
-    masked sum and its mask's count). `loss_fn` itself is not changed.
-
-    Args:
-        loss_fn (Cell): The loss cell.
-
-    Returns:
-        Cell, taking what `loss_fn` takes and returning ``(loss_sum, count)``.
-
-    Raises:
-        TypeError: If `loss_fn` is not one of the cells above (a network can also return ``(loss_sum, count)`` itself).
-        ValueError: If its reduction is not ``'mean'`` (a sum or per-token loss needs no count).
-
-    Supported Platforms:
-        ``CPU``: in CI. Not run on GPU or Ascend.
-
-    Examples:
-        >>> from mindspore import nn
-        >>> from ms_gradaccum import GradAccumulationCell, token_sum_loss
-        >>> net = nn.Dense(8, 4)
-        >>> loss_net = nn.WithLossCell(net, token_sum_loss(nn.CrossEntropyLoss(ignore_index=-100)))
-        >>> cell = GradAccumulationCell(loss_net, micro_size=4, per_token_loss=True)
-        >>> cell.per_token_loss
-        True
-    """
-    if _is_mindformers_cross_entropy(loss_fn):
-        summed = copy.copy(loss_fn)
-        summed.calculate_per_token_loss = True
-        return summed
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
-        if loss_fn.reduction != "mean":
-            raise ValueError(argument_error(_NAME, "loss_fn", "a loss with reduction='mean'", loss_fn,
-                                            f"It has reduction={loss_fn.reduction!r}: a sum needs no count."))
-        kwargs = dict(weight=loss_fn.weight, ignore_index=loss_fn.ignore_index, reduction="sum")
-        if isinstance(loss_fn, nn.CrossEntropyLoss):
-            kwargs["label_smoothing"] = loss_fn.label_smoothing
-        return TokenSumLoss(type(loss_fn)(**kwargs), loss_fn.ignore_index, loss_fn.weight)
-    raise TypeError(argument_error(_NAME, "loss_fn", _SUPPORTED, loss_fn,
-                                   "Any other loss can be made to return (loss_sum, count) itself."))

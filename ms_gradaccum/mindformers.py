@@ -52,12 +52,12 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._mindspore.patches import Patch
 from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES
 from ms_gradaccum._kinds import LossSpec
-from ms_gradaccum._steps import AccumulatingTrainOneStepCell
+from ms_gradaccum._steps import SCALE_MANAGERS, AccumulatingTrainOneStepCell
+from ms_gradaccum._window import STATE_PREFIX
 from ms_gradaccum._validation import argument_error, check_bool, check_positive_float, check_positive_int
 
 __all__ = ["GradAccumulationWrapper", "check_trainer_config"]
@@ -117,7 +117,7 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
     """
 
     buffer_prefix = BUFFER_PREFIX
-    scale_update_cells = _loss_scale.SCALE_MANAGERS + (AdaptiveLossScaleUpdateCell,)
+    scale_update_cells = SCALE_MANAGERS + (AdaptiveLossScaleUpdateCell,)
     state_under_optimizer = True   # MindFormers' resume loads the model and the optimizer only
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, micro_size: int = 1, accumulate_steps: int = 1,
@@ -136,7 +136,7 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
         self.global_norm_spike_threshold = keys["global_norm_spike_threshold"]
         self.clip_grad_norm = ClipGradNorm(max_norm=keys["max_grad_norm"])
         self.keep_state("global_norm", Parameter(Tensor([0.0], mstype.float32),
-                                                 name=f"{_buffers.STATE_PREFIX}.global_norm", requires_grad=False))
+                                                 name=f"{STATE_PREFIX}.global_norm", requires_grad=False))
 
     @classmethod
     def with_keys(cls, **keys) -> type:
