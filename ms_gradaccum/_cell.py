@@ -10,7 +10,7 @@ from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._contract import PreparedCalls
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, compiling_graph, run_compile_checks
-from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE, bprops_calling_zeros_like
+from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
 from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, TrainGradAccuStepCell, discover,
                                                   parallel_mode)
 from ms_gradaccum._loss_scale import PrecisionNeutral
@@ -87,6 +87,7 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
     _mindspore.patches); where MindSpore is laid out otherwise, refuse a network with such a bprop, naming the cells."""
     if AUTODIFF_ZEROS_LIKE.install():
         return
+    from ms_gradaccum._mindspore.bprops import bprops_calling_zeros_like   # pylint: disable=import-outside-toplevel
     cells = bprops_calling_zeros_like(network)
     if cells:
         raise RuntimeError(

@@ -23,10 +23,11 @@ from ms_gradaccum._buffers import Unsaved
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
 from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.surroundings import one_walk, parallel_mode
+from ms_gradaccum._eager import run_eagerly, runs_on
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, check_tensor_inputs,
-                                      failure_context, forget_layout, input_kinds, last_layout, last_split, partition,
-                                      plan, plan_inputs, shared_input_hint)
+                                      forget_layout, last_layout, micro_batch_rows, shared_input_hint,
+                                      split_as_compiled)
 from ms_gradaccum._tokens import LabelWatch
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
@@ -50,21 +51,9 @@ def random_cells(network: nn.Cell) -> list:
     return found
 
 
-def micro_batch_rows(batch: int, micro_size: int) -> list:
-    """The rows of each micro-batch of a batch, in order (the larger first)."""
-    return [rows for count, rows in plan(batch, micro_size) for _ in range(count)]
-
-
 def first_two_rows(batch: int, micro_size: int) -> list:
     """The rows of the first two micro-batches (one entry when a batch holds only one)."""
     return micro_batch_rows(batch, micro_size)[:2]
-
-
-def split_as_compiled(engine: nn.Cell, inputs: tuple) -> tuple:
-    """``(split, shared, constants, layout)`` of the owner's `inputs`, laid out as the engine's graph lays them out."""
-    layout = plan_inputs(engine.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
-                         engine.micro_size)
-    return partition(inputs, layout) + (layout,)
 
 
 @primexpr
@@ -109,79 +98,6 @@ def _value_and_count(out, cls_name: str, returns_count: bool) -> np.ndarray:
         count = out[1].asnumpy().astype(np.float32).sum() if len(out) > 1 else np.float32(1.0)
         return np.array([out[0].asnumpy().astype(np.float32).sum(), count], np.float32)
     return np.array([out.asnumpy().astype(np.float32).sum(), 1.0], np.float32)
-
-
-@contextlib.contextmanager
-def moving_statistics_kept(network: nn.Cell):
-    """Puts BatchNorm's moving statistics back as they were: the check's pass is not a training step."""
-    kept = [(param, Tensor(param.asnumpy())) for name, param in network.parameters_and_names()
-            if name.split(".")[-1] in ("moving_mean", "moving_variance")]
-    try:
-        yield
-    finally:
-        for param, value in kept:
-            ops.assign(param, value)
-
-
-# What nn.Cell itself keeps in a cell's __dict__ (its bookkeeping, which an eager call updates as any call does).
-_CELL_BOOKKEEPING = frozenset(vars(nn.Cell()))
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _plain_state(cell: nn.Cell) -> dict:
-    """The plain attributes a cell keeps of its own (not nn.Cell's bookkeeping)."""
-    return {key: value for key, value in vars(cell).items()
-            if key not in _CELL_BOOKKEEPING and isinstance(value, _PLAIN)}
-
-
-@contextlib.contextmanager
-def call_state_kept(network: nn.Cell):
-    """Puts back the plain attributes that cells with a ``__call__`` of their own set while the pass called them: the
-    graph then compiles the network as it would have without the pass. ``nn.MultiheadAttention.__call__`` records
-    whether its key is its value and its query its key (graph mode cannot test ``is``), and its ``construct`` then
-    takes the branch for the last call: a module called for cross- and then self-attention would compile both calls
-    as self-attention."""
-    kept = [(cell, _plain_state(cell)) for _, cell in network.cells_and_names()
-            if type(cell).__call__ is not nn.Cell.__call__]
-    try:
-        yield
-    finally:
-        for cell, attributes in kept:
-            for key in _plain_state(cell).keys() - attributes.keys():
-                del cell.__dict__[key]
-            cell.__dict__.update(attributes)
-
-
-def runs_on(network: nn.Cell, args: tuple) -> bool:
-    """Whether `network` runs eagerly on `args` (:func:`run_eagerly`) without raising."""
-    try:
-        run_eagerly(network, [args])
-    except Exception:  # pylint: disable=broad-except
-        return False
-    return True
-
-
-def run_eagerly(network: nn.Cell, calls: list, around_first=None) -> list:
-    """The one place the package runs the user's network outside a graph (the loss contract's check, and the error
-    decoration's tries): its forward pass on each argument tuple of `calls`, eagerly (PyNative mode, no gradient), each
-    output read at once (PyNative runs asynchronously: an error surfaces when a result is read). BatchNorm's moving
-    statistics and what cells' own ``__call__`` set are put back after, so the passes leave the network as they found
-    it. `around_first`, a context manager, is entered around the first call only. An error raised by a call carries
-    that call's index as ``eager_call``."""
-    outputs = []
-    with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
-        for index, args in enumerate(calls):
-            try:
-                with around_first if index == 0 and around_first is not None else contextlib.nullcontext():
-                    out = network(*args)
-                for item in out if isinstance(out, (tuple, list)) else (out,):
-                    if hasattr(item, "asnumpy"):
-                        item.asnumpy()
-            except Exception as error:
-                error.eager_call = index
-                raise
-            outputs.append(out)
-    return outputs
 
 
 class ContractCheck(PrecisionNeutral):
@@ -278,6 +194,7 @@ class ContractCheck(PrecisionNeutral):
                 # fail the same way, at compile or only at run time, without the context).
                 # The pair's rows where its pass (the first) failed, else a micro-batch's.
                 pair_rows_run = spans[0][1] if pair and getattr(error, "eager_call", None) == 0 else 0
+                from ms_gradaccum._failures import failure_context   # pylint: disable=import-outside-toplevel
                 with_context(error, failure_context(self.owner_name, self.micro_size, pair_rows_run))
                 raise
             # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with
@@ -395,14 +312,9 @@ def around_compile(cell: nn.Cell, args: tuple):
     return prepared_for(inner_cell(cell), args)
 
 
-# --- Errors the network raises on a micro-batch say so ----------------------------------------------------------------
-# A network built for a fixed batch size fails inside the micro-batch graph with MindSpore's own message. When a compile
-# fails, the micro-batches' rows, micro_size and the fix are added where (1) the failed compile built an engine's graph
-# (its mark, cleared at every compile) and (2) the network, run eagerly on the first micro-batch, fails too (on the
-# first two only: the contract check's pass failed); where the inputs cannot be reached, the engine's call of the
-# network must appear in MindSpore's traceback. Anything else, and errors at run time, pass through unchanged.
-
-# The engine whose graph the compile under way built, if any (see (1) above).
+# --- Errors the network raises on a micro-batch say so (_failures, imported when a compile fails) ---------------------
+# The engine whose graph the compile under way built, if any: each compile clears the mark, building an engine's graph
+# sets it, and _failures reads it.
 _NOTED = {"engine": None}
 
 
@@ -419,61 +331,10 @@ def clear_engine_mark(cell: nn.Cell, args: tuple):   # pylint: disable=unused-ar
     yield
 
 
-def _owner_inputs(cell: nn.Cell, args: tuple, engine: nn.Cell) -> Optional[tuple]:
-    """The package cell's inputs, where the compiled cell is that cell or a pass-through train cell around it."""
-    return args if getattr(inner_cell(cell), "engine", None) is engine else None
-
-
-def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: int) -> Optional[bool]:
-    """Whether the network fails eagerly on the first `micro_batches` micro-batches of `inputs`; None where that
-    cannot be tried."""
-    try:
-        split, shared, constants, layout = split_as_compiled(engine, inputs)
-        sizes = micro_batch_rows(split[0].shape[0], engine.micro_size)
-    except Exception:  # pylint: disable=broad-except
-        return None
-    if len(sizes) < micro_batches:
-        return None
-    rows = sum(sizes[:micro_batches])
-    network = engine.scaled_loss.loss_of_inputs.network
-    return not runs_on(network, assemble(tuple(x[:rows] for x in split), shared, constants, layout))
-
-
-def _network_call_in(message: str, engine: nn.Cell) -> bool:
-    """Whether MindSpore's traceback of the error runs through the engine's call of the network: the file and line of
-    that call's own code object (``In file <file>:<line>,``)."""
-    code = type(engine.scaled_loss.loss_of_inputs).construct.__code__
-    return f"{code.co_filename}:{code.co_firstlineno + 1}," in message
-
-
 def micro_batch_context(error: Exception, args: tuple) -> Optional[str]:
-    """What to add to `error`, raised by the graph executor's compile of ``args[0]`` on ``args[1:]``; None when it is
-    not the network's on a micro-batch."""
+    """What to add to `error`, raised by the graph executor's compile of ``args[0]`` on ``args[1:]`` (_failures)."""
+    from ms_gradaccum import _failures   # pylint: disable=import-outside-toplevel
     noted = _NOTED["engine"]
-    engine = noted() if noted is not None else None
-    if engine is None or not args:
+    if noted is None or not args:
         return None
-    inputs = _owner_inputs(args[0], args[1:], engine)
-    if inputs is not None:
-        one = _fails_on(engine, inputs, 1)
-        if one is None:
-            return None
-        if not one:
-            if engine.contract.in_graph and _fails_on(engine, inputs, 2):
-                return _contract_context(engine)
-            return None
-    elif not _network_call_in(str(error), engine):
-        return None
-    return failure_context(engine.owner_name, engine.micro_size) if last_layout() is not None else None
-
-
-def _contract_context(engine: nn.Cell) -> Optional[str]:
-    if last_layout() is None:
-        return None
-    _, _, batch, rows = last_split(engine.micro_size)
-    sizes = micro_batch_rows(batch, engine.micro_size)
-    return (f"For '{engine.owner_name}', the error above was raised by the network running on the loss contract's "
-            f"check: the first two micro-batches together ({sum(sizes[:2])} rows; micro_size={engine.micro_size} "
-            f"splits the batch of {batch} rows into micro-batches of {' and '.join(str(r) for r in rows)}). A network "
-            f"built for a fixed number of rows cannot be checked that way: pass check_loss=False (and make sure its "
-            f"loss is what the cell is told).")
+    return _failures.micro_batch_context(error, inner_cell(args[0]), args[1:], noted())

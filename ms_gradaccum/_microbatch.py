@@ -9,7 +9,7 @@ from mindspore import ops, Tensor
 
 from ms_gradaccum._mindspore.graph import primexpr
 
-# The layout of the inputs last split (kinds, names, layout), for errors the network raises (_contract).
+# The layout of the inputs last split (kinds, names, layout), for errors the network raises (_failures).
 _LAST = {"layout": None}
 
 
@@ -102,7 +102,7 @@ def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple,
             f"For '{cls_name}', no input can be split into micro_size={micro_size} micro-batches: every input is a "
             f"0-d Tensor, None, a number or declared in shared_inputs={shared_inputs}. At least one input needs a "
             f"batch axis 0.")
-    _LAST["layout"] = (kinds, names, layout)   # for errors the network raises on a micro-batch (_contract)
+    _LAST["layout"] = (kinds, names, layout)   # for errors the network raises on a micro-batch (_failures)
     return layout
 
 
@@ -216,6 +216,18 @@ def micro_batch(split: tuple, i) -> Tuple:
     return _MAP(ops.partial(_row_of, i), split)
 
 
+def micro_batch_rows(batch: int, micro_size: int) -> list:
+    """The rows of each micro-batch of a batch, in order (the larger first)."""
+    return [rows for count, rows in plan(batch, micro_size) for _ in range(count)]
+
+
+def split_as_compiled(engine, inputs: tuple) -> tuple:
+    """``(split, shared, constants, layout)`` of the owner's `inputs`, laid out as `engine`'s graph lays them out."""
+    layout = plan_inputs(engine.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
+                         engine.micro_size)
+    return partition(inputs, layout) + (layout,)
+
+
 def check_tensor_inputs(cls_name: str, inputs: tuple) -> None:
     """Refuses NumPy arrays among the inputs the cell is called with: they would reach the graph as constants, never
     split (a Dataset or ``mindspore.Tensor(array)`` gives Tensors)."""
@@ -250,36 +262,9 @@ def shared_input_hint(kinds: tuple, names: tuple, layout: tuple) -> str:
             f"shared_inputs=({split[1]},)): every micro-batch then gets it whole.")
 
 
-def last_split(micro_size: int) -> Tuple[list, tuple, int, list]:
-    """``(split inputs as [(index, shape)], names, batch rows, micro-batch rows largest first)`` of the layout
-    :func:`plan_inputs` last planned."""
-    kinds, names, layout = _LAST["layout"]
-    split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == SPLIT]
-    batch = split[0][1][0]
-    return split, names, batch, sorted({rows for _, rows in plan(batch, micro_size)}, reverse=True)
-
-
-def failure_context(cls_name: str, micro_size: int, check_rows: int = 0) -> str:
-    """What an error the network raised on a micro-batch (or on the loss contract's check of `check_rows` rows, the
-    first two micro-batches together) is about, from the layout :func:`plan_inputs` last planned: the micro-batches'
-    rows, and the fixes."""
-    split, names, batch, rows = last_split(micro_size)
-    row_text = " and ".join(str(r) for r in rows)
-    shown = ", ".join(f"input {i}{f' ({names[i]!r})' if i < len(names) else ''} {tuple(shape)} -> "
-                      f"{tuple((row_text,) + tuple(shape[1:]))}".replace("'", "") for i, shape in split)
-    part = (f"the first two micro-batches together ({check_rows} rows, the loss contract's check)" if check_rows
-            else "a micro-batch")
-    return (f"For '{cls_name}', the error above was raised by the network running on {part}, not on the whole "
-            f"batch: micro_size={micro_size} splits the batch of {batch} rows into micro-batches of {row_text} rows "
-            f"({shown}). A cell built for a fixed batch size (e.g. a CTC loss or a reshape configured with the batch "
-            f"size) must be built for the micro-batch's rows ({row_text}), not the batch's ({batch}); then pass "
-            f"check_loss=False, since the loss contract's check runs two micro-batches together."
-            f"{shared_input_hint(*_LAST['layout'])}")
-
-
 def last_layout():
     """``(kinds, names, layout)`` of the inputs :func:`plan_inputs` last planned, or None (for
-    _contract.micro_batch_context)."""
+    _failures)."""
     return _LAST["layout"]
 
 

@@ -14,7 +14,7 @@ from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
 from ms_gradaccum import _cell
-from ms_gradaccum._mindspore.patches import bprops_calling_zeros_like
+from ms_gradaccum._mindspore.bprops import bprops_calling_zeros_like
 from launch import REPO, repo_env
 from helpers import (assert_params_close, assert_params_moved, classification_batches, make_mlp, make_optimizer,
                      params_of, train_steps, ZerosLikeFunction, ZerosLikeLoss)

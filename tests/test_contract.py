@@ -10,7 +10,7 @@ import mindspore as ms
 import pytest
 from mindspore import nn, ops, Tensor
 
-from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, _contract
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, _eager
 from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
                      number_after, params_of, train_steps)
 
@@ -354,7 +354,7 @@ def test_contract_check_leaves_what_a_cell_s_own_call_set_as_it_was(wrap, optimi
 
     # Negative control: without putting them back, the same network trains otherwise than the full batch, silently
     # (the check compares eager passes with each other, so it cannot see that the graph compiled another branch).
-    monkeypatch.setattr(_contract, "call_state_kept", lambda network: contextlib.nullcontext())
+    monkeypatch.setattr(_eager, "call_state_kept", lambda network: contextlib.nullcontext())
     wrong, _, flags = _attention_run(wrap(), optimizer)
     assert flags == (True, True)
     assert max(np.abs(wrong[name] - expected[name]).max() for name in expected) > 1e-3
@@ -388,7 +388,7 @@ def test_contract_error_path_leaves_what_a_cell_s_own_call_set_as_it_was(check_l
 
     assert flags_after_the_error() == (False, False)
     # Negative control: without putting them back, the error path leaves the last eager call's flags.
-    monkeypatch.setattr(_contract, "call_state_kept", lambda network: contextlib.nullcontext())
+    monkeypatch.setattr(_eager, "call_state_kept", lambda network: contextlib.nullcontext())
     assert flags_after_the_error() == (True, True)
 
 

@@ -1,6 +1,6 @@
 """MindSpore's internals, behind named adapters: the only modules of the package that import a private MindSpore name
 (``tests/test_mindspore.py``'s fence checks it). Elsewhere the package writes plain state of the user's cells in one
-place: the loss contract's eager pass puts back what cells' own ``__call__`` set (``_contract.call_state_kept``).
+place: the loss contract's eager pass puts back what cells' own ``__call__`` set (``_eager.call_state_kept``).
 
 - :mod:`.version`: the supported versions (checked on import) and what differs between them.
 - :mod:`.graph`: Python run while a graph compiles; eager execution from anywhere.
@@ -8,6 +8,7 @@ place: the loss contract's eager pass puts back what cells' own ``__call__`` set
   cell by name and the parallel mode; a Cell's own Parameter dict and precision flags.
 - :mod:`.parallel`: what the parallel modes read (communication, the gradient reducer, the batch axis's split).
 - :mod:`.patches`: the process-wide changes, each with ``install()`` and ``uninstall()``.
+- :mod:`.bprops`: the cells whose own ``bprop`` calls ``mindspore.ops.zeros_like`` (where that patch cannot apply).
 """
 from ms_gradaccum._mindspore import version
 

@@ -8,20 +8,14 @@
 
 Checked 2.7.0 and 2.10.0.
 """
-import ast
 import contextlib
-import inspect
 import sys
-import textwrap
 import types
 from typing import Callable, Optional
 
-import mindspore as ms
-from mindspore import nn
 from mindspore import ops as _ops
 from mindspore.ops.composite.multitype_ops import zeros_like_impl
 
-from ms_gradaccum._mindspore.surroundings import closure
 
 try:
     from mindspore.graph.api import _cell_graph_executor as CELL_GRAPH_EXECUTOR
@@ -30,7 +24,7 @@ except ImportError:   # before 2.9
 
 # The package's own graphs make zeros through the primitive, never through the function the patch below separates.
 ZEROS_LIKE = _ops.ZerosLike()
-_ZEROS_LIKE_FUNCTION = _ops.zeros_like
+ZEROS_LIKE_FUNCTION = _ops.zeros_like
 _AUTODIFF_FUNCTIONAL = "ms_gradaccum._autodiff_functional"
 
 
@@ -62,7 +56,7 @@ class Patch:
 # mindspore.ops.functional holds except that its zeros_like is a copy of the same function. Autodiff then parses a
 # graph of its own, the user's bprop keeps the original, and both compute exactly what they did (a plain train cell
 # trains bit-identically before and after). Where MindSpore is laid out otherwise it is not applied, and the cells name
-# the bprops that call the function.
+# the bprops that call the function (.bprops).
 class AutodiffZerosLike(Patch):
     """Autodiff's zeros_like, separated from ``mindspore.ops.zeros_like`` (see above)."""
 
@@ -79,12 +73,12 @@ class AutodiffZerosLike(Patch):
             return True
         functional = getattr(zeros_like_impl, "F", None)
         if not (isinstance(functional, types.ModuleType) and getattr(functional, "zeros_like", None) is
-                _ZEROS_LIKE_FUNCTION and isinstance(_ZEROS_LIKE_FUNCTION, types.FunctionType)):
+                ZEROS_LIKE_FUNCTION and isinstance(ZEROS_LIKE_FUNCTION, types.FunctionType)):
             return False
         module = types.ModuleType(_AUTODIFF_FUNCTIONAL, functional.__doc__)
         module.__dict__.update({key: value for key, value in functional.__dict__.items()
                                 if key not in ("__name__", "__spec__")})
-        module.zeros_like = _function_copy(_ZEROS_LIKE_FUNCTION)
+        module.zeros_like = _function_copy(ZEROS_LIKE_FUNCTION)
         self._original = functional
         sys.modules[_AUTODIFF_FUNCTIONAL] = module
         zeros_like_impl.F = module
@@ -105,62 +99,6 @@ def _function_copy(function):
     copy.__dict__.update(function.__dict__)
     copy.__qualname__, copy.__module__, copy.__doc__ = function.__qualname__, function.__module__, function.__doc__
     return copy
-
-
-def _resolves_to_zeros_like(node, namespace: dict) -> bool:
-    """Whether a call's function expression (`zeros_like`, `ops.zeros_like`, `F.zeros_like`) is that function."""
-    if isinstance(node, ast.Name):
-        return namespace.get(node.id) is _ZEROS_LIKE_FUNCTION
-    if isinstance(node, ast.Attribute) and node.attr == "zeros_like":
-        base = node.value
-        owner = namespace.get(base.id) if isinstance(base, ast.Name) else None
-        return getattr(owner, "zeros_like", None) is _ZEROS_LIKE_FUNCTION
-    return False
-
-
-def _folded(test, cell) -> Optional[bool]:
-    """The value of an `if` test MindSpore folds when it compiles (a constant, `self.<attribute>`, `not` of those);
-    None when it depends on the inputs."""
-    if isinstance(test, ast.Constant):
-        return bool(test.value)
-    if isinstance(test, ast.Attribute) and isinstance(test.value, ast.Name) and test.value.id == "self" and \
-            not isinstance(getattr(cell, test.attr, None), (ms.Tensor, nn.Cell)):
-        return bool(getattr(cell, test.attr, None))
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        inner = _folded(test.operand, cell)
-        return None if inner is None else not inner
-    return None
-
-
-def _calls_zeros_like(function, cell) -> bool:
-    """Whether `function` (a bprop) calls mindspore.ops.zeros_like outside the branches MindSpore folds away."""
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return False
-    namespace = dict(getattr(function, "__globals__", {}))
-    namespace.update(closure(function) if getattr(function, "__closure__", None) else {})
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError):   # no source: judge by the names the code uses
-        return any(_resolves_to_zeros_like(ast.Name(id=name), namespace) or
-                   getattr(namespace.get(name), "zeros_like", None) is _ZEROS_LIKE_FUNCTION for name in code.co_names)
-
-    def visit(node) -> bool:
-        if isinstance(node, ast.If):
-            taken = _folded(node.test, cell)
-            branches = [node.body, node.orelse] if taken is None else [node.body if taken else node.orelse]
-            return visit(node.test) or any(visit(child) for branch in branches for child in branch)
-        if isinstance(node, ast.Call) and _resolves_to_zeros_like(node.func, namespace):
-            return True
-        return any(visit(child) for child in ast.iter_child_nodes(node))
-    return visit(tree)
-
-
-def bprops_calling_zeros_like(network: nn.Cell) -> list:
-    """``["name (Class)", ...]``: the cells of `network` whose own ``bprop`` calls ``mindspore.ops.zeros_like``."""
-    return [f"{name or 'network'} ({type(cell).__name__})" for name, cell in network.cells_and_names()
-            if _calls_zeros_like(getattr(type(cell), "bprop", None), cell)]
-
 
 
 # Cell.compile compiles through the graph executor's `compile`, an attribute of one module-level object; Cell's

@@ -1,0 +1,81 @@
+"""The one place the package runs the user's network outside a graph: the loss contract's passes (_contract) and the
+tries behind the error context (_failures) both call :func:`run_eagerly`, which puts the network back as it found it.
+"""
+import contextlib
+
+from mindspore import nn, ops, Tensor
+
+from ms_gradaccum._mindspore.graph import eager_mode
+
+
+@contextlib.contextmanager
+def moving_statistics_kept(network: nn.Cell):
+    """Puts BatchNorm's moving statistics back as they were: the check's pass is not a training step."""
+    kept = [(param, Tensor(param.asnumpy())) for name, param in network.parameters_and_names()
+            if name.split(".")[-1] in ("moving_mean", "moving_variance")]
+    try:
+        yield
+    finally:
+        for param, value in kept:
+            ops.assign(param, value)
+
+
+# What nn.Cell itself keeps in a cell's __dict__ (its bookkeeping, which an eager call updates as any call does).
+_CELL_BOOKKEEPING = frozenset(vars(nn.Cell()))
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_state(cell: nn.Cell) -> dict:
+    """The plain attributes a cell keeps of its own (not nn.Cell's bookkeeping)."""
+    return {key: value for key, value in vars(cell).items()
+            if key not in _CELL_BOOKKEEPING and isinstance(value, _PLAIN)}
+
+
+@contextlib.contextmanager
+def call_state_kept(network: nn.Cell):
+    """Puts back the plain attributes that cells with a ``__call__`` of their own set while the pass called them: the
+    graph then compiles the network as it would have without the pass. ``nn.MultiheadAttention.__call__`` records
+    whether its key is its value and its query its key (graph mode cannot test ``is``), and its ``construct`` then
+    takes the branch for the last call: a module called for cross- and then self-attention would compile both calls
+    as self-attention."""
+    kept = [(cell, _plain_state(cell)) for _, cell in network.cells_and_names()
+            if type(cell).__call__ is not nn.Cell.__call__]
+    try:
+        yield
+    finally:
+        for cell, attributes in kept:
+            for key in _plain_state(cell).keys() - attributes.keys():
+                del cell.__dict__[key]
+            cell.__dict__.update(attributes)
+
+
+def runs_on(network: nn.Cell, args: tuple) -> bool:
+    """Whether `network` runs eagerly on `args` (:func:`run_eagerly`) without raising."""
+    try:
+        run_eagerly(network, [args])
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True
+
+
+def run_eagerly(network: nn.Cell, calls: list, around_first=None) -> list:
+    """The one place the package runs the user's network outside a graph (the loss contract's check, and the error
+    decoration's tries): its forward pass on each argument tuple of `calls`, eagerly (PyNative mode, no gradient), each
+    output read at once (PyNative runs asynchronously: an error surfaces when a result is read). BatchNorm's moving
+    statistics and what cells' own ``__call__`` set are put back after, so the passes leave the network as they found
+    it. `around_first`, a context manager, is entered around the first call only. An error raised by a call carries
+    that call's index as ``eager_call``."""
+    outputs = []
+    with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
+        for index, args in enumerate(calls):
+            try:
+                with around_first if index == 0 and around_first is not None else contextlib.nullcontext():
+                    out = network(*args)
+                for item in out if isinstance(out, (tuple, list)) else (out,):
+                    if hasattr(item, "asnumpy"):
+                        item.asnumpy()
+            except Exception as error:
+                error.eager_call = index
+                raise
+            outputs.append(out)
+    return outputs

@@ -1,0 +1,96 @@
+"""Errors the network raises on a micro-batch say so.
+
+A network built for a fixed batch size fails inside the micro-batch graph with MindSpore's own message. When a compile
+fails, the micro-batches' rows, micro_size and the fix are added where (1) the failed compile built an engine's graph
+(its mark, _contract.note_engine, cleared at every compile) and (2) the network, run eagerly on the first micro-batch
+(_contract.run_eagerly), fails too (on the first two only: the contract check's pass failed); where the inputs cannot
+be reached, the engine's call of the network must appear in MindSpore's traceback. Anything else, and errors at run
+time, pass through unchanged. Imported only when a compile fails, or the eager pass fails on micro-batch rows.
+"""
+from typing import Optional, Tuple
+
+from mindspore import nn
+
+from ms_gradaccum._eager import runs_on
+from ms_gradaccum._microbatch import (SPLIT, assemble, last_layout, micro_batch_rows, plan, shared_input_hint,
+                                      split_as_compiled)
+
+
+def last_split(micro_size: int) -> Tuple[list, tuple, int, list]:
+    """``(split inputs as [(index, shape)], names, batch rows, micro-batch rows largest first)`` of the layout
+    :func:`plan_inputs` last planned."""
+    kinds, names, layout = last_layout()
+    split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == SPLIT]
+    batch = split[0][1][0]
+    return split, names, batch, sorted({rows for _, rows in plan(batch, micro_size)}, reverse=True)
+
+
+def failure_context(cls_name: str, micro_size: int, check_rows: int = 0) -> str:
+    """What an error the network raised on a micro-batch (or on the loss contract's check of `check_rows` rows, the
+    first two micro-batches together) is about, from the layout :func:`plan_inputs` last planned: the micro-batches'
+    rows, and the fixes."""
+    split, names, batch, rows = last_split(micro_size)
+    row_text = " and ".join(str(r) for r in rows)
+    shown = ", ".join(f"input {i}{f' ({names[i]!r})' if i < len(names) else ''} {tuple(shape)} -> "
+                      f"{tuple((row_text,) + tuple(shape[1:]))}".replace("'", "") for i, shape in split)
+    part = (f"the first two micro-batches together ({check_rows} rows, the loss contract's check)" if check_rows
+            else "a micro-batch")
+    return (f"For '{cls_name}', the error above was raised by the network running on {part}, not on the whole "
+            f"batch: micro_size={micro_size} splits the batch of {batch} rows into micro-batches of {row_text} rows "
+            f"({shown}). A cell built for a fixed batch size (e.g. a CTC loss or a reshape configured with the batch "
+            f"size) must be built for the micro-batch's rows ({row_text}), not the batch's ({batch}); then pass "
+            f"check_loss=False, since the loss contract's check runs two micro-batches together."
+            f"{shared_input_hint(*last_layout())}")
+
+
+def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: int) -> Optional[bool]:
+    """Whether the network fails eagerly on the first `micro_batches` micro-batches of `inputs`; None where that
+    cannot be tried."""
+    try:
+        split, shared, constants, layout = split_as_compiled(engine, inputs)
+        sizes = micro_batch_rows(split[0].shape[0], engine.micro_size)
+    except Exception:  # pylint: disable=broad-except
+        return None
+    if len(sizes) < micro_batches:
+        return None
+    rows = sum(sizes[:micro_batches])
+    network = engine.scaled_loss.loss_of_inputs.network
+    return not runs_on(network, assemble(tuple(x[:rows] for x in split), shared, constants, layout))
+
+
+def _network_call_in(message: str, engine: nn.Cell) -> bool:
+    """Whether MindSpore's traceback of the error runs through the engine's call of the network: the file and line of
+    that call's own code object (``In file <file>:<line>,``)."""
+    code = type(engine.scaled_loss.loss_of_inputs).construct.__code__
+    return f"{code.co_filename}:{code.co_firstlineno + 1}," in message
+
+
+def micro_batch_context(error: Exception, owner: Optional[nn.Cell], inputs: tuple,
+                        engine: Optional[nn.Cell]) -> Optional[str]:
+    """What to add to `error`, raised by a compile after `engine` (if any) marked it; None when it is not the network's
+    on a micro-batch. `owner` is the cell whose inputs are the compiled cell's `inputs` (_contract.inner_cell)."""
+    if engine is None:
+        return None
+    if getattr(owner, "engine", None) is engine:   # the package cell, or a pass-through train cell around it
+        one = _fails_on(engine, inputs, 1)
+        if one is None:
+            return None
+        if not one:
+            if engine.contract.in_graph and _fails_on(engine, inputs, 2):
+                return _contract_context(engine)
+            return None
+    elif not _network_call_in(str(error), engine):
+        return None
+    return failure_context(engine.owner_name, engine.micro_size) if last_layout() is not None else None
+
+
+def _contract_context(engine: nn.Cell) -> Optional[str]:
+    if last_layout() is None:
+        return None
+    _, _, batch, rows = last_split(engine.micro_size)
+    sizes = micro_batch_rows(batch, engine.micro_size)
+    return (f"For '{engine.owner_name}', the error above was raised by the network running on the loss contract's "
+            f"check: the first two micro-batches together ({sum(sizes[:2])} rows; micro_size={engine.micro_size} "
+            f"splits the batch of {batch} rows into micro-batches of {' and '.join(str(r) for r in rows)}). A network "
+            f"built for a fixed number of rows cannot be checked that way: pass check_loss=False (and make sure its "
+            f"loss is what the cell is told).")
