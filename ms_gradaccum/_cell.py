@@ -24,16 +24,14 @@ _NAME = "GradAccumulationCell"
 
 
 def _parallel_pass():
-    """The semi-auto/auto-parallel hand-over (_parallel_pass), imported in those modes only: a stand-alone or
-    data-parallel step never reads it."""
+    """The semi-auto/auto-parallel hand-over (_parallel_pass), imported in those modes only."""
     from ms_gradaccum import _parallel_pass  # pylint: disable=import-outside-toplevel
     return _parallel_pass
 
 
 def child_on_first_read(owner: nn.Cell, name: str, build) -> nn.Cell:
-    """`owner`'s child cell `name`, made by ``build()`` the first time it is asked for. Straight into the cell table:
-    insert_child_to_cell's hasattr would read the compile-time attribute of that name again. The parts built so hold no
-    Parameter in the cell tree, so nothing needs naming."""
+    """`owner`'s child cell `name`, made by ``build()`` when first asked for; straight into the cell table
+    (insert_child_to_cell's hasattr would read the compile-time attribute of that name again)."""
     part = owner._cells.get(name)   # pylint: disable=protected-access
     if part is None:
         part = build()
@@ -48,9 +46,9 @@ def data_parallel_module():
 
 
 class DataParallelParts:
-    """Mixed into both cells: their parts under data parallel (_parallel), built when first read in that mode and kept
-    as children, so that a stand-alone step never builds or imports them: ``replicas``, the first step's check that
-    every rank holds the same weights, and ``token_totals``, the loss value and count summed across ranks."""
+    """Mixed into both cells: their parts under data parallel (_parallel), built when first read in that mode:
+    ``replicas``, the first step's check that every rank holds the same weights; ``token_totals``, the sums across
+    ranks."""
 
     @compile_time
     def data_parallel(self) -> bool:
@@ -69,8 +67,8 @@ class DataParallelParts:
 
 
 def check_loss_inside(cell: nn.Cell) -> None:
-    """Refuse a cell whose output another cell turns into the loss (``Model(cell, loss_fn=...)`` builds one): it is
-    given only the data, so it cannot split the labels with it, and would accumulate the gradient of its output."""
+    """Refuses a cell whose output another cell turns into the loss (``Model(cell, loss_fn=...)``): it would get the
+    data without its labels."""
     wrapper = discover(cell).loss_wrapper
     if wrapper is not None:
         raise ValueError(
@@ -82,9 +80,8 @@ def check_loss_inside(cell: nn.Cell) -> None:
 
 
 def check_bprops(network: nn.Cell, micro_size: int) -> None:
-    """When a graph compiles: give autodiff a zeros_like of its own, so that custom bprops calling
-    ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside this cell's nested gradient (see
-    _mindspore.patches); where MindSpore is laid out otherwise, refuse a network with such a bprop, naming the cells."""
+    """When a graph compiles: autodiff gets a zeros_like of its own, so that bprops calling ``ops.zeros_like``
+    (MindFormers' loss cells) compile in the nested gradient (_mindspore.patches); else such a network is refused."""
     if AUTODIFF_ZEROS_LIKE.install():
         return
     from ms_gradaccum._mindspore.bprops import bprops_calling_zeros_like   # pylint: disable=import-outside-toplevel
@@ -170,7 +167,7 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
         super().__init__(auto_prefix=False)
         self.network = network
         self.spec = spec
-        # Its fields by name, for the graph and for readers (constants: the spec is frozen).
+        # The spec's fields by name, for the graph and for readers (constants: the spec is frozen).
         self.micro_size, self.kind, self.shared_inputs = spec.micro_size, spec.kind, spec.shared_inputs
         self.per_token_loss, self.reduction, self.min_count = spec.per_token_loss, spec.reduction, spec.min_count
         self.declared_per_token_loss, self.check_loss = spec.declared, spec.check_loss
@@ -185,15 +182,12 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
                                           accumulates=spec.micro_size > 1)
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
-        # The parallel mode in force when Model builds its train cell and when the graph compiles (AutoParallel sets
-        # it only then) picks the mechanism (see parallel_pass); the parallel pass's part is built in those modes only.
         self.compile_checks = CompileChecks(self)
         if parallel_mode() in PARALLEL_PASS_MODES:
             self._build_parallel_pass_part()   # now, so that Model finds its markers
 
     def check_at_compile(self) -> None:
-        """What is checked when the graph compiles (and at every call in PyNative mode): see
-        _mindspore.graph.CompileChecks."""
+        """What is checked when the graph compiles (every call in PyNative mode): _mindspore.graph.CompileChecks."""
         if self.data_parallel:
             data_parallel_module().check_data_parallel_ready(_NAME)
         check_loss_inside(self)
@@ -222,10 +216,8 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
 
     @property
     def cls_name(self) -> str:
-        # mindspore.train.amp._is_grad_accumulation reads cls_name when Model builds its train cell
-        # (_mindspore.surroundings, "Routing"):
-        # a routed name gets MindSpore's _TrainGradAccuStepCell, which only the semi-auto/auto-parallel pass feeds.
-        # So the routed name only in those modes (in force then, whether set globally or by AutoParallel).
+        # Model routes by cls_name (_mindspore.surroundings, "Routing") to _TrainGradAccuStepCell, which only the
+        # semi-auto/auto-parallel pass feeds: the routed name only in those modes.
         if self.parallel_pass:
             return "GradAccumulationCell"
         name = type(self).__name__
@@ -233,8 +225,8 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
 
     @compile_time
     def parallel_pass_part(self) -> nn.Cell:
-        """The part MindSpore's semi-auto/auto-parallel pass accumulates through (its micro-batch markers), built when
-        the cell is built in those modes or when first read: a cell trained stand-alone or data parallel holds none."""
+        """The part MindSpore's semi-auto/auto-parallel pass accumulates through (its micro-batch markers), built in
+        those modes only."""
         return self._build_parallel_pass_part()
 
     def _build_parallel_pass_part(self) -> nn.Cell:
@@ -243,13 +235,12 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
 
     @compile_time
     def parallel_pass(self) -> bool:
-        """Whether MindSpore's semi-auto/auto-parallel pass does the accumulation: read when ``Model`` builds its train
-        cell and when the graph compiles, so it follows ``set_auto_parallel_context`` and ``AutoParallel`` alike."""
+        """Whether MindSpore's semi-auto/auto-parallel pass accumulates: read when ``Model`` builds its train cell and
+        when the graph compiles (``AutoParallel`` sets the mode only then)."""
         return parallel_mode() in PARALLEL_PASS_MODES
 
     def _check_explicit_weights(self) -> None:
-        """Refuses `weights` that leave out a weight of the network the wrapping optimizer updates: it would be handed
-        a zero gradient (and still be moved by momentum or weight decay)."""
+        """Refuses `weights` that leave out a weight of the network the wrapping optimizer updates (a zero gradient)."""
         optimizer = discover(self).optimizer
         if optimizer is None:
             return
@@ -271,24 +262,25 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
             return list(self._explicit_weights)
         surroundings = discover(self)
         optimizer = surroundings.optimizer
-        differentiated = optimizer.parameters if optimizer is not None else surroundings.differentiated
+        if optimizer is not None:
+            differentiated = optimizer.parameters
+        else:   # a mindspore.grad call's weights (imported only here)
+            from ms_gradaccum._mindspore.grad_calls import differentiated as of_grad_call  # pylint: disable=C0415
+            differentiated = of_grad_call(surroundings.grad_call)
         if differentiated is None:
             return self.network.trainable_params()
         trained = {id(weight) for weight in differentiated}
         return [param for param in self.network.get_parameters() if id(param) in trained]
 
     def _resolve(self) -> None:
-        """Resolves the trained weights and their buffers (created when first needed, dropped when unused) from this
-        cell's own graph, where the wrapping train cell is visible, once per compile (check_at_compile, the first
-        thing the graph does; every call in PyNative mode). The attributes below and the engine, whose graph is
-        compiled apart, only read the result: reading them creates and deletes nothing."""
+        """Resolves the trained weights and their buffers (created when needed, dropped when unused) once per compile,
+        in this cell's graph, where the train cell is visible; the attributes below and the engine only read it."""
         weights = self._trained_weights() or list(self.network.get_parameters())
         resolved = (ParameterTuple(weights), self.gradient_buffers.for_weights(weights))
         object.__setattr__(self, "_resolved", resolved)   # not a Cell attribute: nothing is registered
 
     def _targets(self) -> tuple:
-        """``(weights, buffers)`` as last resolved; before the first compile, the weights that would be trained and
-        the buffers that exist (none)."""
+        """``(weights, buffers)`` as last resolved; before the first compile, the weights that would be trained."""
         resolved = self.__dict__.get("_resolved")
         if resolved is None:
             return (ParameterTuple(self._trained_weights()),
@@ -324,13 +316,11 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
         if self.data_parallel:
             value, count, factor = self.token_totals(value, count)
         loss, divisor = self.kind.normalise(scale, value, count, factor, split[0].shape[0], unit)
-        # The hand-over reads the buffers: this data dependency orders it after the micro-batch loop (the loss
-        # exists only once the loop is done). Behind stop_gradient (the engine's outputs carry no gradient), or
-        # autodiff fails on networks with BatchNorm ("Operator 'k_hole' is invalid").
+        # The hand-over reads the buffers after the loop (this data dependency), behind stop_gradient, or autodiff
+        # fails on networks with BatchNorm ("Operator 'k_hole' is invalid").
         loss = ops.stop_gradient(loss)
         divisor = ops.stop_gradient(ops.depend(divisor, loss))
-        # Adds zero; its backward hands each weight its buffer, unscaled (in float32) and times the sens. One call per
-        # weight through a HyperMap (see _buffers: a Python loop over the weights compiles far slower).
+        # Adds zero; its backward hands each weight its buffer, divided and times the sens (one HyperMap, as _buffers).
         zeros = self.hyper_map(ops.partial(_hand_over, self.gradient_of, divisor), self.engine.weights,
                                self.engine.buffers)
         loss = loss + ops.stack(zeros).sum()
@@ -346,22 +336,16 @@ def _hand_over_weight(gradient_of, divisor, weight, buffer):
 
 
 class GradientOf(PrecisionNeutral):
-    """Zero in the forward pass; in the backward pass, hands ``buffer * dout / divisor`` to `weight` as its gradient.
-
-    This is how an unmodified ``nn.TrainOneStepCell`` (and so ``Model``) receives the accumulated gradient: the
-    backward of this cell scales the buffer in place and returns the buffer itself, so no gradient-sized
-    tensor is created after the loop (autodiff of ``sum(stop_gradient(g) * weight)`` would create one).
-    ``dout`` is the wrapper's ``sens`` (its loss scale, or 1) and `divisor` the ``_buffers.divisor`` of the sums,
-    so the wrapper gets exactly ``mean_gradient * sens``.
-    """
+    """Zero in the forward pass; in the backward pass, hands ``buffer * dout / divisor`` to `weight` as its gradient:
+    how an unmodified ``nn.TrainOneStepCell`` (and so ``Model``) receives exactly ``mean_gradient * sens``. The buffer
+    is scaled in place and returned, so no gradient-sized tensor is created after the loop."""
 
     def construct(self, weight, buffer, divisor):
         # Depends on `weight`, or autodiff prunes this cell and `weight` gets no gradient from it.
         return ops.depend(ops.zeros((), mstype.float32), weight)
 
     def bprop(self, weight, buffer, divisor, out, dout):
-        # In place where MindSpore does that (CPU kernel graph: Mul then Assign, weight by weight); an
-        # ops.assign(buffer, buffer * f) would keep a product per weight alive at once (docs/measurements.md).
-        # In PyNative mode it is an ordinary product, as correct.
+        # In place where MindSpore does that (graph mode); an ops.assign(buffer, buffer * f) would keep a product per
+        # weight alive at once (docs/measurements.md).
         product = _buffers.multiply_in_place(buffer, dout, divisor)
         return ops.cast(product, weight.dtype), ZEROS_LIKE(buffer), ZEROS_LIKE(divisor)

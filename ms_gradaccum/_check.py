@@ -16,7 +16,7 @@ from mindspore import nn
 
 from ms_gradaccum._cell import GradAccumulationCell
 from ms_gradaccum._contract import random_cells
-from ms_gradaccum._tokens import token_mean_cells
+from ms_gradaccum._tokens import describe, token_means
 from ms_gradaccum._validation import batch_norm_cells, check_positive_int
 
 _NAME = "check_equivalence"
@@ -82,7 +82,7 @@ def _likely_causes(network: nn.Cell, actual: dict, expected: dict, initial: dict
             causes.append(f"a loss that is not a mean over the batch: the accumulated update is {ratio:.3g}x the "
                           f"full batch's (micro_size={micro_size}); reduce the loss with a mean, or return "
                           f"(loss_sum, count)")
-    tokens = token_mean_cells(network)
+    tokens = [describe(name, cell) for name, cell, _ in token_means(network)]
     if tokens:
         causes.append(f"a loss that averages over valid tokens ({'; '.join(tokens)}): micro-batches with different "
                       f"numbers of valid tokens are weighted by rows; return (loss_sum, count) with token_sum_loss and "

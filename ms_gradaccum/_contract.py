@@ -4,10 +4,10 @@ The cells are exact when the loss is what they are told (a row mean, a row sum, 
 that without a sign (a detector's ``B * sum / max(S, 1)`` trained 4 to 16 times too small). On the first step the
 network's loss on the first two micro-batches together is compared with what the kind tallies from their own losses;
 a mismatch stops before the first update, with the ratio and the route that fits. The passes run eagerly (PyNative, no
-gradient) on the batch the step is first compiled or called with, before anything compiles, through :func:`run_eagerly`
-(which puts back BatchNorm's statistics and what cells' own ``__call__`` set). Batch statistics and dropout are
-tolerated within [1/1.5, 1.5]. Where the batch cannot be reached from Python (a train cell of one's own, a ``jit``
-function, sink mode, dynamic shapes) or the network runs only in graph mode, the graph runs the pair's pass itself.
+gradient, ``_eager.run_eagerly``) on the batch the step is first compiled or called with, before anything compiles.
+Batch statistics and dropout are tolerated within [1/1.5, 1.5]. Where the batch cannot be reached from Python (a train
+cell of one's own, a ``jit`` function, sink mode, dynamic shapes) or the network runs only in graph mode, the graph
+runs the pair's pass itself.
 """
 import contextlib
 import numbers
@@ -51,15 +51,10 @@ def random_cells(network: nn.Cell) -> list:
     return found
 
 
-def first_two_rows(batch: int, micro_size: int) -> list:
-    """The rows of the first two micro-batches (one entry when a batch holds only one)."""
-    return micro_batch_rows(batch, micro_size)[:2]
-
-
 @primexpr
 def pair_rows(batch: int, micro_size: int) -> int:
     """The rows of the first two micro-batches (0 when a batch holds fewer than two)."""
-    sizes = first_two_rows(batch, micro_size)
+    sizes = micro_batch_rows(batch, micro_size)[:2]
     return sizes[0] + sizes[1] if len(sizes) == 2 else 0
 
 
@@ -173,7 +168,7 @@ class ContractCheck(PrecisionNeutral):
         split = None
         try:
             split, shared, constants, layout = split_as_compiled(engine, inputs)
-            sizes = first_two_rows(split[0].shape[0], self.micro_size)
+            sizes = micro_batch_rows(split[0].shape[0], self.micro_size)[:2]
             if pair and len(sizes) < 2:
                 return None
             spans = [(0, sizes[0] + sizes[1]), (0, sizes[0]), (sizes[0], sizes[0] + sizes[1])] if pair \

@@ -214,24 +214,3 @@ class LossSpec:
         min_count = check_min_count(0.0 if min_count is None else min_count, per_token_loss, cls_name)
         return cls(micro_size, of_arguments(per_token_loss, reduction, min_count), declared, shared_inputs,
                    check_loss)
-
-    def merged(self, cls_name: str, owner: str, **given) -> "LossSpec":
-        """This spec (held by `owner`) with the arguments `given` to `cls_name` as well: each given one must agree with
-        it (``check_loss`` is taken as given)."""
-        changes = {}
-        for name, value in given.items():
-            if value is None:
-                continue
-            context = {"per_token_loss": self.per_token_loss} if name == "min_count" else {}
-            checked = getattr(LossSpec.of(cls_name, **context, **{name: value}), name)
-            if name == "check_loss":
-                changes[name] = checked
-            elif checked != getattr(self, name):
-                raise ValueError(
-                    f"For '{cls_name}', the argument '{name}' is {value!r} but the {owner} given as 'network' has "
-                    f"{name}={getattr(self, name)!r}. Give it once: either {cls_name}(loss_net, optimizer, "
-                    f"accumulate_steps, {name}=...) or the {owner}'s.")
-        if given.get("per_token_loss") is not None or given.get("reduction") not in (None, "mean") or \
-                given.get("kind") is not None:
-            changes["declared"] = True
-        return dataclasses.replace(self, **changes)

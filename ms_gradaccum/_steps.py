@@ -1,5 +1,6 @@
 """AccumulatingTrainOneStepCell: one optimizer step every `accumulate_steps` batches, each batch optionally split into
 `micro_size` micro-batches."""
+import dataclasses
 from typing import Optional
 
 import mindspore as ms
@@ -332,7 +333,7 @@ def _loss_network(network: nn.Cell, given: dict) -> tuple:
     """``(loss network, LossSpec)``: a GradAccumulationCell is taken apart into what it holds (the same as passing its
     arguments here); anything contradicting it, or a nested one, is an error."""
     if isinstance(network, GradAccumulationCell):
-        spec = network.spec.merged(_NAME, "GradAccumulationCell", **given)
+        spec = _merged(network.spec, given)
         if network.explicit_loss_scale:
             raise ValueError(
                 f"For '{_NAME}', the GradAccumulationCell given as 'network' has its own loss_scale, which this cell "
@@ -347,6 +348,28 @@ def _loss_network(network: nn.Cell, given: dict) -> tuple:
                 f"{type(network).__name__} as '{name}'. Wrap the loss network in GradAccumulationCell last, or "
                 f"pass micro_size here: {_NAME}(loss_net, optimizer, accumulate_steps, micro_size=...).")
     return network, spec
+
+
+def _merged(spec: LossSpec, given: dict) -> LossSpec:
+    """The spec of the GradAccumulationCell given as 'network', with the arguments `given` here as well: each given one
+    must agree with it (``check_loss`` is taken as given)."""
+    changes = {}
+    for name, value in given.items():
+        if value is None:
+            continue
+        context = {"per_token_loss": spec.per_token_loss} if name == "min_count" else {}
+        checked = getattr(LossSpec.of(_NAME, **context, **{name: value}), name)
+        if name == "check_loss":
+            changes[name] = checked
+        elif checked != getattr(spec, name):
+            raise ValueError(
+                f"For '{_NAME}', the argument '{name}' is {value!r} but the GradAccumulationCell given as 'network' "
+                f"has {name}={getattr(spec, name)!r}. Give it once: either {_NAME}(loss_net, optimizer, "
+                f"accumulate_steps, {name}=...) or the GradAccumulationCell's.")
+    if given.get("per_token_loss") is not None or given.get("reduction") not in (None, "mean") or \
+            given.get("kind") is not None:
+        changes["declared"] = True
+    return dataclasses.replace(spec, **changes)
 
 
 # --- The loss scale as nn.TrainOneStepWithLossScaleCell takes it (`scale_sense`), the clip norm, the overflow check ---

@@ -18,7 +18,7 @@ def is_mindformers_cross_entropy(cell: nn.Cell) -> bool:
         hasattr(cell, "calculate_per_token_loss")
 
 
-def _token_means(network: nn.Cell) -> list:
+def token_means(network: nn.Cell) -> list:
     """``[(name, cell, always), ...]``: the cells of `network` whose loss is a mean over valid tokens. `always`: the
     update differs from the full batch's whatever the labels (class weights, MindFormers' input_mask); else only
     where the labels make it so (ignored labels, several labels per row), which :class:`LabelWatch` looks at."""
@@ -31,17 +31,12 @@ def _token_means(network: nn.Cell) -> list:
     return found
 
 
-def _describe(name: str, cell: nn.Cell) -> str:
+def describe(name: str, cell: nn.Cell) -> str:
     if is_mindformers_cross_entropy(cell):
         return f"{name} (MindFormers CrossEntropyLoss: mean over the tokens its input_mask keeps)"
     weighted = ", weighted by class" if cell.weight is not None else ""
     return (f"{name} ({type(cell).__name__}: mean over the labels that are not "
             f"ignore_index={cell.ignore_index}{weighted})")
-
-
-def token_mean_cells(network: nn.Cell) -> list:
-    """``["name (Class, how it averages)", ...]``: the cells of `network` whose loss is a mean over valid tokens."""
-    return [_describe(name, cell) for name, cell, _ in _token_means(network)]
 
 
 def _warn(cls_name: str, cells: list, why: str) -> None:
@@ -56,7 +51,7 @@ def _warn(cls_name: str, cells: list, why: str) -> None:
 def warn_token_mean(network: nn.Cell, cls_name: str) -> None:
     """At construction: one UserWarning naming the token-mean loss cells whose update differs from the full batch's
     whatever the labels (class weights, MindFormers' token loss). The others are left to :class:`LabelWatch`."""
-    cells = [_describe(name, cell) for name, cell, always in _token_means(network) if always]
+    cells = [describe(name, cell) for name, cell, always in token_means(network) if always]
     if cells:
         _warn(cls_name, cells, "when micro-batches hold different numbers of valid tokens (padding, ignored labels, "
                                "class weights)")
@@ -75,7 +70,7 @@ class LabelWatch:
 
     def __init__(self, network: nn.Cell, cls_name: str, declared: bool):
         self.cls_name = cls_name
-        self.cells = [] if declared else [(name, cell) for name, cell, always in _token_means(network) if not always]
+        self.cells = [] if declared else [(name, cell) for name, cell, always in token_means(network) if not always]
         self.findings = {}
 
     @property
@@ -99,7 +94,7 @@ class LabelWatch:
                 handle.remove()
             cells, self.cells = self.cells, []
         if self.findings:
-            found = [f"{_describe(name, cell)}, {self.findings[name]}" for name, cell in cells if name in self.findings]
+            found = [f"{describe(name, cell)}, {self.findings[name]}" for name, cell in cells if name in self.findings]
             _warn(self.cls_name, found, "when micro-batches hold different numbers of valid labels")
 
     def _look(self, name: str, rows: int, batch: tuple):

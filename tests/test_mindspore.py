@@ -14,7 +14,7 @@ import pytest
 from mindspore import nn, Parameter, Tensor
 
 from ms_gradaccum import _buffers, _parallel_pass, _window
-from ms_gradaccum._mindspore import graph, surroundings, version
+from ms_gradaccum._mindspore import grad_calls, graph, surroundings, version
 from launch import repo_env
 
 pytestmark = pytest.mark.lowest
@@ -189,7 +189,7 @@ def test_mindspore_differentiated_weights_found_from_the_grad_call():
         seen = []
 
         def forward(x):
-            seen.append(surroundings.differentiated_weights())
+            seen.append(grad_calls.differentiated_weights())
             return dense(x).sum()
 
         ms.value_and_grad(forward, None, weights)(Tensor(np.ones((1, 2), np.float32)))
@@ -198,7 +198,7 @@ def test_mindspore_differentiated_weights_found_from_the_grad_call():
         seen.clear()
         ms.value_and_grad(forward, 0)(Tensor(np.ones((1, 2), np.float32)))
         assert seen == [None]
-        assert surroundings.differentiated_weights() is None
+        assert grad_calls.differentiated_weights() is None
     finally:
         ms.set_context(mode=ms.GRAPH_MODE)
 
@@ -393,7 +393,7 @@ def test_mindspore_frames_are_read_in_one_function():
 
         def forward(x):
             stack = surroundings.read_stack()
-            seen.append((stack.differentiated(), stack.compiling_jit, stack.under_model))
+            seen.append((grad_calls.differentiated(stack.grad_call), stack.compiling_jit, stack.under_model))
             return dense(x).sum()
 
         ms.value_and_grad(forward, None, [dense.weight])(Tensor(np.ones((1, 2), np.float32)))

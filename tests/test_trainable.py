@@ -239,7 +239,7 @@ def test_trainable_functional_weights_are_followed_including_frozen_ones(style, 
     if first_moved:
         # Negative control: accumulating only the requires_grad=True weights (before: the functional style could not
         # see the weights) leaves the frozen layer where it was, a different model from plain training.
-        monkeypatch.setattr("ms_gradaccum._mindspore.surroundings.differentiated_weights", lambda *_: None)
+        monkeypatch.setattr("ms_gradaccum._mindspore.grad_calls.differentiated", lambda *_: None)
         control = _functional_with_frozen_in_weights(lambda loss_net: GradAccumulationCell(loss_net, K), style)
         with pytest.raises(AssertionError, match="differs from the reference"):
             assert_params_close(control, expected, **TOLERANCE)

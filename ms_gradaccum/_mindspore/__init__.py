@@ -6,6 +6,7 @@ place: the loss contract's eager pass puts back what cells' own ``__call__`` set
 - :mod:`.graph`: Python run while a graph compiles; eager execution from anywhere.
 - :mod:`.surroundings`: the cells and the gradient call around a cell, found on the stack; how ``Model`` routes a
   cell by name and the parallel mode; a Cell's own Parameter dict and precision flags.
+- :mod:`.grad_calls`: the weights of a ``mindspore.grad`` call around a cell (where no optimizer is).
 - :mod:`.parallel`: what the parallel modes read (communication, the gradient reducer, the batch axis's split).
 - :mod:`.patches`: the process-wide changes, each with ``install()`` and ``uninstall()``.
 - :mod:`.bprops`: the cells whose own ``bprop`` calls ``mindspore.ops.zeros_like`` (where that patch cannot apply).

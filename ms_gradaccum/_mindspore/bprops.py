@@ -9,7 +9,7 @@ import mindspore as ms
 from mindspore import nn
 
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE_FUNCTION
-from ms_gradaccum._mindspore.surroundings import closure
+from ms_gradaccum._mindspore.grad_calls import closure
 
 
 def _resolves_to_zeros_like(node, namespace: dict) -> bool:

@@ -52,91 +52,25 @@ def _enclosing_cells(cell: nn.Cell, roots: tuple) -> list:
     return found
 
 
-# The weights of a mindspore.grad / value_and_grad call (functional style, no train cell). MindSpore's
-# _Grad.__call__ and GradOperation.__call__ (mindspore/ops/composite/base.py) return a closure `after_grad` over `fn`
-# and `weights`. In PyNative mode its frame is on the stack while `fn` runs (`weights` among its locals). In graph mode
-# it is a jit function being compiled: the `func` of the jit wrapper's `staging_specialize` frame, `weights` in its
-# closure. Called inside the user's own jit function (MindSpore's functional recipe, `@ms.jit def train_step`), the
-# grad function is inlined by the parser and leaves no frame: the grad functions are then looked up among the names
-# that jit function uses (its globals and closure) and those of the functions it calls, two levels down, and the
-# union of their weights is taken. A grad function reached otherwise (an object's attribute) is not found; then the
-# requires_grad=True weights are accumulated. Checked 2.7.0 to 2.10.0.
+# The code of the closure mindspore.grad / value_and_grad return (mindspore/ops/composite/base.py, 2.7.0-2.10.0):
+# read_stack finds the grad call by it; .grad_calls reads its weights.
 _GRAD_SOURCE = "ops/composite/base.py"
 
 
-def _is_after_grad_code(code) -> bool:
+def is_after_grad_code(code) -> bool:
     return code.co_name == "after_grad" and code.co_filename.replace("\\", "/").endswith(_GRAD_SOURCE)
-
-
-def _is_after_grad(function) -> bool:
-    code = getattr(function, "__code__", None)
-    return code is not None and _is_after_grad_code(code) and bool(function.__closure__)
-
-
-def closure(function) -> dict:
-    """The names a function's closure binds (its free variables), with their values."""
-    return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())
-            if name != "__class__"}
-
-
-def _unwrap_jit(function):
-    """The function a ``mindspore.jit`` wrapper compiles (the `func` in its closure), or `function` itself."""
-    if getattr(function, "__wrapped_by_jit__", False) and getattr(function, "__closure__", None):
-        return closure(function).get("func", function)
-    return function
-
-
-def _weights_of(variables: dict) -> Optional[list]:
-    weights = variables.get("weights")
-    if weights is None:
-        return None
-    weights = [weights] if isinstance(weights, ms.Parameter) else list(weights)
-    return weights if all(isinstance(weight, ms.Parameter) for weight in weights) else None
-
-
-def _grad_functions_used_by(function, depth: int = 2) -> list:
-    """The grad functions (after_grad closures) a user's jit function refers to by name (its globals and closure),
-    and those of the plain functions it refers to, `depth` levels down."""
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return []
-    used = [getattr(function, "__globals__", {}).get(name) for name in code.co_names]
-    used += list(closure(function).values())
-    found = []
-    for candidate in map(_unwrap_jit, used):
-        if _is_after_grad(candidate):
-            found.append(candidate)
-        elif depth > 0 and callable(candidate) and not isinstance(candidate, (type, nn.Cell)):
-            found += _grad_functions_used_by(candidate, depth - 1)
-    return _distinct(found)
 
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
     """What the frames on the stack show, read in one walk by :func:`read_stack`, the only function of the package that
     reads frames: the cells being compiled or called (innermost first), the innermost grad call or jit compile (whose
-    weights :meth:`differentiated` finds), whether a jit function is being compiled, and whether ``Model.train`` runs.
+    weights .grad_calls finds), whether a jit function is being compiled, and whether ``Model.train`` runs.
     """
     cells: tuple
     grad_call: Optional[tuple]   # ("locals", the after_grad frame's locals) or ("jit", the function being compiled)
     compiling_jit: bool
     under_model: bool
-
-    def differentiated(self) -> Optional[list]:
-        """The ``weights`` of the innermost ``mindspore.grad``/``value_and_grad`` call running or being compiled, as the
-        user passed them (``requires_grad=False`` ones included); ``None`` when there is none, when it has no weights,
-        or when it cannot be found (see above)."""
-        if self.grad_call is None:
-            return None
-        kind, found = self.grad_call
-        if kind == "locals":
-            return _weights_of(found)
-        if _is_after_grad(found):
-            return _weights_of(closure(found))
-        # All the weights of every grad function it uses: accumulating more weights than one of them differentiates
-        # costs buffers, never exactness.
-        weights = [_weights_of(closure(grad)) for grad in _grad_functions_used_by(found)]
-        return _distinct(weight for each in weights if each for weight in each) or None
 
 
 def _is_model_train(code) -> bool:
@@ -157,16 +91,11 @@ def read_stack() -> Stack:
             compiling_jit = True
             if grad_call is None:
                 grad_call = ("jit", frame.f_locals.get("func"))
-        elif grad_call is None and _is_after_grad_code(code):
+        elif grad_call is None and is_after_grad_code(code):
             grad_call = ("locals", dict(frame.f_locals))
         under_model = under_model or _is_model_train(code)
         frame = frame.f_back
     return Stack(tuple(_distinct(cells)), grad_call, compiling_jit, under_model)
-
-
-def differentiated_weights(stack: Optional[Stack] = None) -> Optional[list]:
-    """The weights of the innermost grad call on `stack` (the caller's when not given): :meth:`Stack.differentiated`."""
-    return (stack or read_stack()).differentiated()
 
 
 def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
@@ -191,7 +120,7 @@ class Surroundings:
     train_cell: Optional[nn.TrainOneStepCell]   # the innermost nn.TrainOneStepCell (or subclass) around it
     optimizer: Optional[nn.Optimizer]           # the optimizer of the innermost cell around it holding one
     loss_wrapper: Optional[nn.Cell]             # a cell computing a loss of its output (it is that cell's _backbone)
-    differentiated: Optional[tuple]             # without an optimizer: the weights of the grad call around it
+    grad_call: Optional[tuple]                  # without an optimizer: the grad call around it (.grad_calls)
     under_model: bool                           # whether Model.train is running it
 
 
@@ -236,15 +165,11 @@ def _walk(cell: nn.Cell) -> Surroundings:
     stack = read_stack()
     enclosing = _enclosing_cells(cell, stack.cells)
     optimizer = _optimizer_of(enclosing)
-    differentiated = None
-    if optimizer is None:
-        weights = differentiated_weights(stack)
-        differentiated = tuple(weights) if weights is not None else None
     return Surroundings(
         train_cell=next((c for c in enclosing if isinstance(c, nn.TrainOneStepCell)), None),
         optimizer=optimizer,
         loss_wrapper=next((c for c in enclosing if c.__dict__.get("_cells", {}).get("_backbone") is cell), None),
-        differentiated=differentiated,
+        grad_call=stack.grad_call if optimizer is None else None,
         under_model=stack.under_model)
 
 
