@@ -55,12 +55,8 @@ def dtypes_match(weights, buffers) -> bool:
 
 
 class GradientBuffers(nn.Cell):
-    """The ``accu_grads.<weight>`` buffers of a cell (`prefix` ``.<weight>``), one per trained weight, created when
-    first asked for.
-
-    :meth:`for_weights` returns the buffers of exactly the weights given, creating missing ones and dropping those
-    of weights no longer trained, so a frozen weight costs no buffer memory and is not in checkpoints.
-    """
+    """The ``<prefix>.<weight>`` buffers of a cell: :meth:`for_weights` returns those of exactly the weights given,
+    creating missing ones and dropping the others (a frozen weight costs no memory and is not in checkpoints)."""
 
     def __init__(self, prefix: str = GRAD_PREFIX):
         super().__init__(auto_prefix=False)
@@ -80,16 +76,14 @@ class GradientBuffers(nn.Cell):
 
 
 # --- in-place operations (graph mode: no gradient-sized temporary per weight) ----------------------------------------
-# Each operation over the buffers is one HyperMap, expanded into one call per buffer when the graph compiles: a Python
-# loop over the weights compiles slower (docs/measurements.md, "Why the code is shaped so"). The calls run in the order
-# of the tuple and each reads its buffer after the previous one wrote its own, so temporaries exist one at a time.
+# Each is one HyperMap over the buffers (a Python loop over the weights compiles slower, docs/measurements.md); the
+# calls run in the tuple's order, so temporaries exist one at a time.
 
 _HYPER_MAP = ops.HyperMap()
 _add_into = ops.MultitypeFuncGraph("_add_into")
 
 
-# Primitives, not the ops.cast / ops.assign / ops.assign_add functions: one node per weight instead of a call into a
-# subgraph of its own (compile_probe's graph size; a Cast to the same dtype is removed by the optimizer).
+# Primitives, not the ops.cast / ops.assign / ops.assign_add functions: one node per weight, not a subgraph each.
 _CAST, _ASSIGN, _ASSIGN_ADD = ops.Cast(), ops.Assign(), ops.AssignAdd()
 
 

@@ -29,11 +29,8 @@ from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_out
 
 
 class TupleInputs(PrecisionNeutral):
-    """Calls ``network(*inputs)`` with the inputs packed in one tuple.
-
-    ``mindspore.value_and_grad`` rejects a network whose ``construct`` takes ``*inputs`` in graph mode
-    ("The parameters number of the function is 1 ..."); a fixed single argument works for any network.
-    """
+    """Calls ``network(*inputs)`` with the inputs packed in one tuple: ``mindspore.value_and_grad`` rejects a
+    ``construct(*inputs)`` in graph mode ("The parameters number of the function is 1 ...")."""
 
     def __init__(self, network: nn.Cell):
         super().__init__(auto_prefix=False)
@@ -44,10 +41,8 @@ class TupleInputs(PrecisionNeutral):
 
 
 class LossShape:
-    """The shape of the network's loss, written while the loop body is compiled (:func:`record_loss_shape`) and read
-    after the loop (:func:`recorded_loss_shape`). A plain Python object handed to compile-time functions: the loop body
-    is the only copy of the network in the graph, so nothing outside it can see the loss's shape otherwise (a value
-    carried out of a graph-mode while loop gets a dynamic shape)."""
+    """The shape of the network's loss, written while the loop body compiles and read after the loop: nothing outside
+    the loop body sees it otherwise (a value carried out of a graph-mode while loop gets a dynamic shape)."""
 
     def __init__(self):
         self.shape = None
@@ -61,21 +56,14 @@ def record_loss_shape(holder: LossShape, shape: tuple) -> bool:
 
 @primexpr
 def recorded_loss_shape(holder: LossShape, after: tuple) -> tuple:
-    """The recorded shape. `after` (the shape of a loop output) makes this depend on the loop, so MindSpore's analysis
-    has compiled the loop body, and recorded the shape, before it evaluates this."""
+    """The recorded shape; `after` (the shape of a loop output) orders this after the loop body's compile."""
     return holder.shape
 
 
 class ScaledLoss(PrecisionNeutral):
-    """``(loss * scale * weight, value, count)`` of one micro-batch in float32 scalars, `weight`, `value` and `count`
-    as its loss kind tallies them (_kinds): only the first carries a gradient, so differentiating this cell runs the
-    backward pass on the loss times the scale and the micro-batch's weight. The loss's own shape (``()`` or ``(1,)``)
-    is recorded in :attr:`loss_shape` when the graph compiles.
-
-    The product is taken in float32, so a float16 loss times a large scale cannot overflow in the forward value; the
-    backward then starts from the factor in the loss's own dtype, as ``nn.TrainOneStepCell``'s ``sens`` does. With a
-    factor of 1 the gradients are bit-identical to unscaled ones.
-    """
+    """``(loss * scale * weight, value, count)`` of one micro-batch in float32 scalars, as its loss kind tallies them
+    (_kinds); only the first carries a gradient. The product is taken in float32 (a float16 loss times a large scale
+    cannot overflow); with a factor of 1 the gradients are bit-identical to unscaled ones."""
 
     def __init__(self, network: nn.Cell, kind, cls_name: str):
         super().__init__(auto_prefix=False)
@@ -87,8 +75,7 @@ class ScaledLoss(PrecisionNeutral):
 
     def construct(self, inputs, scale, rows, unit):
         out = self.loss_of_inputs(inputs)
-        # Sums over all elements, not reshapes: exact for the single element the check requires, and no shape error
-        # of MindSpore's can come before the check's message (nothing orders a reshape after it in the graph).
+        # Sums, not reshapes: exact for the single element checked, and no shape error can come before the check's.
         if isinstance(out, tuple):
             shapes = ()
             for item in out:
@@ -112,9 +99,8 @@ class ScaledLoss(PrecisionNeutral):
 
 
 def _unpack(packed):
-    """The six tallies (value, count, smallest, finite, pair_value, pair_count) of the loop's packed vector. One
-    Unstack, not six indexings: a Tensor's ``[k]`` compiles through MindSpore's indexing functions each time it is
-    written (docs/measurements.md)."""
+    """The six tallies (value, count, smallest, finite, pair_value, pair_count) of the loop's packed vector: one
+    Unstack, not six indexings, each compiled through MindSpore's indexing functions (docs/measurements.md)."""
     return ops.unstack(packed)
 
 
@@ -168,10 +154,8 @@ class MicroBatchGradients(PrecisionNeutral):
         split, shared, constants = partition(inputs, layout)
         return ms.mutable(split), ms.mutable(shared) if shared else shared, constants, layout
 
-    # Both last weight first: the backward pass produces the last layer's gradient first, and side effects on
-    # Parameters run in program order, so in this order each gradient is added, and freed, as soon as it exists instead
-    # of all of them waiting for the first layer's (docs/measurements.md). Reversed here, in Python, not by slicing the
-    # tuples in the graph (a node per weight and tuple).
+    # Both last weight first, as the backward pass produces them: each gradient is added, and freed, as soon as it
+    # exists (docs/measurements.md). Reversed in Python, not by slicing in the graph (a node per weight).
     @compile_time
     def weights(self):
         """The weights whose gradients are accumulated, last first."""
@@ -179,15 +163,14 @@ class MicroBatchGradients(PrecisionNeutral):
 
     @compile_time
     def buffers(self):
-        """Their ``accu_grads`` buffers, last first. Read when this graph is built, which marks the compile under way
-        as one that runs the network on micro-batches (_contract.micro_batch_context)."""
+        """Their ``accu_grads`` buffers, last first; reading them marks the compile under way (_failures)."""
         _contract.note_engine(self)
         return ParameterTuple(self._targets()[1][::-1])
 
     @compile_time
     def adds_with_cast(self) -> bool:
         """Whether a buffer's dtype differs from its weight's (float32 sums of float16 weights): only then is each
-        gradient cast before it is added (a Cast per weight is compiled even where it does nothing)."""
+        gradient cast before it is added."""
         return not dtypes_match(*self._targets())
 
     def _value_and_grads(self, micro, scale, rows, unit):
@@ -201,24 +184,20 @@ class MicroBatchGradients(PrecisionNeutral):
 
     def _tally(self, out, totals, index):
         """Adds one micro-batch's value and count, tracks the smallest and any non-finite count (where the kind checks
-        its counts), and keeps the tallies after micro-batch `index` 1 (the first two; the loss contract's check reads
-        them). All float32 (`finite` is 1.0 or 0.0): a bool Tensor carried by a graph-mode while loop compiles slower
-        (docs/measurements.md)."""
+        them), and keeps the first two micro-batches' tallies (for the loss contract's check). All float32: a bool
+        carried by the loop compiles slower (docs/measurements.md)."""
         value, count, smallest, finite, pair_value, pair_count = totals
         value, count = value + out[1], count + out[2]
         if self.checks_counts:
             smallest = ops.minimum(smallest, out[2])
             finite = ops.minimum(finite, ops.cast(ops.isfinite(out[2]), mstype.float32))
-        # The first two micro-batches' tallies, for the loss contract's check (see _contract).
         second = index == 1
         return (value, count, smallest, finite, ops.select(second, value, pair_value),
                 ops.select(second, count, pair_count))
 
     def _accumulate(self, split, others, stop, totals, scale, rows, unit, offset):
-        # A graph-mode while loop over a Tensor counter is compiled once, whatever the count is, and runs the
-        # micro-batches strictly in turn, so micro-batch i's activations are freed before i + 1 starts.
-        # The tallies travel through the loop as one float32 vector: as separate scalars the allocator fragments
-        # (a higher actual peak, docs/measurements.md).
+        # A while loop over a Tensor counter compiles once and runs the micro-batches strictly in turn (each one's
+        # activations freed before the next). The tallies travel as one float32 vector (docs/measurements.md).
         i = Tensor(0, mstype.int32)
         packed = ops.stack(totals)
         while i < stop:

@@ -1,24 +1,15 @@
 """Loss kinds: what one micro-batch's loss adds to its batch or window, and how the sums become the loss and the mean
 gradient. A kind is one object (as optax's microbatching ``Accumulator``); no other module branches on it.
 
-For each micro-batch (in the graph, and eagerly for the first step's check) a kind is given the network's loss, the
-count it returned (1 where it returns none), the micro-batch's rows, the count unit (the rows of the largest
-micro-batch of the batch, or of the window's first batch) and the micro-batch's inputs, and returns
-``(weight, value, count)`` (:meth:`LossKind.tally`):
+Per micro-batch (in the graph, and eagerly for the first step's check) :meth:`LossKind.tally` returns ``(weight, value,
+count)``: the backward pass runs on ``loss * scale * weight``, so the buffers hold ``scale * sum(weight * gradient)``;
+``value`` and ``count`` are summed over the batch or window (and over devices where :attr:`sums_across_ranks`), and
+:meth:`LossKind.normalise` turns the sums into the loss and the buffers' divisor (``_buffers.normalise``).
 
-- the backward pass runs on ``loss * scale * weight`` (the weight carries no gradient), so the buffers hold
-  ``scale * sum(weight * gradient)``;
-- ``value`` and ``count`` are summed over the batch or window (and over devices where :attr:`sums_across_ranks`);
-- :meth:`LossKind.normalise` turns the sums into ``(loss, divisor)``: the loss the cell returns, and what the buffers
-  are divided by for the mean gradient (``_buffers.normalise``: the scale, the count, the devices factor).
-
-Built in (``per_token_loss``, ``reduction`` and ``min_count`` select one, :func:`of_arguments`): :class:`RowMean`,
-:class:`RowSum`, :class:`TokenMean`. A kind of one's own subclasses :class:`LossKind` (decorated with
-``mindspore.jit_class``) and is passed as ``kind=``; ``tests/test_kinds.py`` writes one (a weighted row mean).
-
-:class:`LossSpec` is what the cells are told about the loss, validated once into one frozen object (both cells and
-the adapters take it): the kind, chosen by ``kind=`` or by ``per_token_loss``/``reduction``/``min_count``, and how the
-batch is split.
+Built in (``per_token_loss``, ``reduction`` and ``min_count`` select one): :class:`RowMean`, :class:`RowSum`,
+:class:`TokenMean`. A kind of one's own subclasses :class:`LossKind` (decorated with ``mindspore.jit_class``) and is
+passed as ``kind=`` (``tests/test_kinds.py`` writes one). :class:`LossSpec` is what a cell is told about its loss,
+validated once into one frozen object: the kind and how the batch is split.
 """
 import dataclasses
 from typing import Optional
@@ -161,16 +152,8 @@ def arguments_of(kind: LossKind) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-    """How a loss network is split and what its loss is.
-
-    Attributes:
-        micro_size: micro-batches per batch.
-        kind: the loss kind (_kinds).
-        declared: the kind was given (`kind`, `per_token_loss` or `reduction`): the token-mean warning is then not
-            given.
-        shared_inputs: indices of the inputs every micro-batch receives whole.
-        check_loss: whether the first step checks the loss contract (_contract).
-    """
+    """How a loss network is split and what its loss is; `declared`: the kind was given (`kind`, `per_token_loss` or
+    `reduction`), so the token-mean warning is not given."""
     micro_size: int = 1
     kind: LossKind = dataclasses.field(default_factory=RowMean)
     declared: bool = False

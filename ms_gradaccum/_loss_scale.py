@@ -26,12 +26,8 @@ SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.D
 
 
 class PrecisionNeutral(nn.Cell):
-    """A cell of this package's machinery that ``to_float`` / amp levels pass through to the user's network.
-
-    ``Cell.to_float`` (what ``Model``'s ``amp_level="O2"/"O3"`` calls) flags every cell in the tree, and a
-    flagged cell casts every float tensor it handles, including the float32 sums and the loss scale, which breaks
-    the micro-batch loop ("Type Join Failed: Float32, Float16"). The network inside keeps its flags.
-    """
+    """A cell of the package's machinery, which ``to_float`` (``amp_level`` O2/O3) passes through to the network: a
+    flagged cell would cast the float32 sums and the scale too ("Type Join Failed: Float32, Float16")."""
 
     def add_flags_recursive(self, **flags):
         self.add_flags(**{key: value for key, value in flags.items() if key not in PRECISION_FLAGS})

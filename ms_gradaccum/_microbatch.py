@@ -14,11 +14,8 @@ _LAST = {"layout": None}
 
 
 def plan(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
-    """``((count, rows), ...)``: micro-batches as even as possible, sizes differing by at most one.
-
-    ``batch = sum(count * rows)``; one entry when ``micro_size`` divides ``batch``, else two (the larger
-    micro-batches first). A batch smaller than ``micro_size`` gives ``batch`` micro-batches of one row.
-    """
+    """``((count, rows), ...)``: micro-batches as even as possible, ``batch = sum(count * rows)``; one entry when
+    ``micro_size`` divides ``batch``, else two (the larger first). A smaller batch gives micro-batches of one row."""
     k = min(micro_size, batch)
     rows, extra = divmod(batch, k)
     if extra == 0:
@@ -28,8 +25,7 @@ def plan(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
 
 @primexpr
 def planned(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
-    """:func:`plan` while a graph compiles: one constant, instead of plan's Python compiled as graph code (each
-    ``min``, ``divmod`` and tuple in it a subgraph of its own)."""
+    """:func:`plan` while a graph compiles: one constant, not plan's Python compiled as graph code."""
     return plan(batch, micro_size)
 
 
@@ -108,8 +104,7 @@ def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple,
 
 @primexpr
 def all_split(layout: tuple) -> bool:
-    """Whether every input is split (the common case: :func:`partition` and :func:`assemble` pass the inputs as
-    they are, and the graph holds none of their per-input tuple building)."""
+    """Whether every input is split (the common case: the inputs pass as they are, no tuple building in the graph)."""
     return all(kind == SPLIT for kind, _ in layout)
 
 
@@ -151,9 +146,8 @@ def single_element(shape: tuple) -> bool:
 
 @primexpr
 def check_loss_output(cls_name: str, returns_count: bool, is_tuple: bool, shapes: tuple) -> None:
-    """The network's output must be what its loss kind says (`returns_count`, e.g. ``per_token_loss=True``): a
-    single-element loss (shape ``()`` or ``(1,)``, as MindFormers' models return it), or a tuple (loss_sum, count) of
-    two such. `shapes` holds the shape of each output (one for a single Tensor)."""
+    """The network's output must be what its loss kind says: a single-element loss (shape ``()`` or ``(1,)``), or with
+    `returns_count` a tuple (loss_sum, count) of two such. `shapes`: the shape of each output."""
     returned = (f"a tuple of {len(shapes)} element(s) with shapes {shapes}" if is_tuple
                 else f"a single Tensor of shape {shapes[0]}")
     if returns_count:
@@ -197,11 +191,8 @@ def _row_of_tensor(i, x):
 
 
 def split_batch(inputs: tuple, micro_size: int) -> Tuple:
-    """Every input split along axis 0 following :func:`plan`: ``((split inputs, count, rows), ...)``. The inputs are
-    those :func:`plan_inputs` found to split (same batch size, checked there).
-
-    Each part's inputs are reshaped from ``(count * rows, ...)`` to ``(count, rows, ...)``; no row is dropped.
-    """
+    """The split inputs (:func:`plan_inputs`) along axis 0 following :func:`plan`: ``((inputs, count, rows), ...)``,
+    each part's inputs reshaped from ``(count * rows, ...)`` to ``(count, rows, ...)``; no row is dropped."""
     batch = inputs[0].shape[0]
     parts = ()
     start = 0
@@ -229,8 +220,7 @@ def split_as_compiled(engine, inputs: tuple) -> tuple:
 
 
 def check_tensor_inputs(cls_name: str, inputs: tuple) -> None:
-    """Refuses NumPy arrays among the inputs the cell is called with: they would reach the graph as constants, never
-    split (a Dataset or ``mindspore.Tensor(array)`` gives Tensors)."""
+    """Refuses NumPy arrays among the inputs: they would reach the graph as constants, never split."""
     for index, x in enumerate(inputs):
         if type(x).__module__ == "numpy" and hasattr(x, "shape"):
             raise TypeError(
@@ -251,8 +241,8 @@ def check_loss_dtype(cls_name: str, dtypes: tuple) -> None:
 
 
 def shared_input_hint(kinds: tuple, names: tuple, layout: tuple) -> str:
-    """Where several inputs are split: the advice for one that is shared by the whole batch but whose axis 0 happens
-    to equal the batch size (class weights for 16 classes with a batch of 16), which the cell cannot tell apart."""
+    """Where several inputs are split: the advice for one shared by the whole batch whose axis 0 happens to equal the
+    batch size (class weights for 16 classes, a batch of 16)."""
     split = [index for index, (kind, _) in enumerate(layout) if kind == SPLIT]
     if len(split) < 2:
         return ""
@@ -263,8 +253,7 @@ def shared_input_hint(kinds: tuple, names: tuple, layout: tuple) -> str:
 
 
 def last_layout():
-    """``(kinds, names, layout)`` of the inputs :func:`plan_inputs` last planned, or None (for
-    _failures)."""
+    """``(kinds, names, layout)`` of the inputs :func:`plan_inputs` last planned, or None (for _failures)."""
     return _LAST["layout"]
 
 

@@ -59,14 +59,10 @@ def warn_token_mean(network: nn.Cell, cls_name: str) -> None:
 
 class LabelWatch:
     """On the first step, the labels that reach the token-mean losses whose equivalence depends on them
-    (``nn.CrossEntropyLoss``/``nn.NLLLoss`` with a mean and no class weights): with one label per row and none equal
-    to ``ignore_index`` their mean over labels is a mean over rows, and accumulation is exact, so nothing is said.
-    Ignored labels present, or several labels per row (sequences, where padding is the rule), get the warning.
-
-    :meth:`watching` wraps one eager forward pass (the loss contract's, see _contract) in forward pre-hooks on those
-    cells; the watch looks once per cell and is then spent. Where no eager pass runs (semi-auto parallel, a network
-    that runs only in graph mode), it says nothing; the first step's loss check still stops a pair of micro-batches
-    whose counts differ."""
+    (``nn.CrossEntropyLoss``/``nn.NLLLoss`` with a mean and no class weights): one label per row and none ignored is a
+    mean over rows (exact, nothing said); ignored labels, or several labels per row, get the warning. :meth:`watching`
+    hooks one eager forward pass (the loss contract's); where none runs, the loss check still stops a pair of
+    micro-batches whose counts differ."""
 
     def __init__(self, network: nn.Cell, cls_name: str, declared: bool):
         self.cls_name = cls_name
@@ -79,10 +75,8 @@ class LabelWatch:
 
     @contextlib.contextmanager
     def watching(self, rows: int, batch: tuple = ()):
-        """For one eager forward pass on the first `rows` rows of `batch` (its inputs split along axis 0): looks at
-        what reaches each watched cell; warns after it where the labels make the update differ. Labels that are the
-        first rows of a batch input (as ``nn.WithLossCell`` hands them over) are looked at in the whole batch. Spent
-        afterwards, whatever happened."""
+        """For one eager forward pass on the first `rows` rows of `batch`: looks at what reaches each watched cell (in
+        the whole batch where the labels are a batch input's first rows); warns after it. Spent afterwards."""
         if not self.cells:
             yield
             return

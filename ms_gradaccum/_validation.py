@@ -28,12 +28,8 @@ _POWERS_OF_TEN = Tensor(np.array([10.0 ** k for k in range(11)], np.float32))
 
 
 def readable(value: Tensor, digits: int = 4) -> Tensor:
-    """`value` (a float Tensor, in a graph or not) rounded to `digits` significant digits, for messages that print it.
-
-    A float32 printed in full shows the processor's last bits (``1.9999999`` on one machine, ``2.0`` on another);
-    rounded, it prints the same shortest text everywhere (``2.0``, ``11.35``). Zero, inf, nan and magnitudes beyond
-    10**±10 print as they are.
-    """
+    """`value` (a float Tensor, in a graph or not) rounded to `digits` significant digits, so messages print the same
+    text on every processor (``2.0``, not ``1.9999999``); zero, inf, nan and magnitudes beyond 10**±10 as they are."""
     value = ops.cast(value, mstype.float32)
     size = ops.abs(value)
     usable = ops.logical_and(ops.isfinite(value), size > 0)
@@ -52,10 +48,7 @@ def readable(value: Tensor, digits: int = 4) -> Tensor:
 
 
 def check_int(value: Any, minimum: int, subject: str, expected: str, cls_name: str) -> int:
-    """Return ``value`` as an int if it is an integer >= ``minimum`` (numpy integers too; bool is not an int).
-
-    The message reads ``For '<cls_name>', <subject> must be <expected>, but got <value> (<type>).``
-    """
+    """Return ``value`` as an int if it is an integer >= ``minimum`` (numpy integers too; bool is not an int)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"For '{cls_name}', {subject} must be {expected}, but got {describe(value)}.")
     if value < minimum:
@@ -202,9 +195,8 @@ def computes_in_float16(network: nn.Cell) -> bool:
 
 
 def batch_norm_cells(network: nn.Cell) -> list:
-    """Names (and types) of the cells of ``network`` that normalise with batch statistics in training: BatchNorm of
-    any dimension, SyncBatchNorm, or any cell with a ``moving_mean`` / ``moving_variance`` parameter, unless it is
-    set to use its moving statistics (``use_batch_statistics=False``), where micro-batches change nothing."""
+    """Names (and types) of the cells of ``network`` that normalise with batch statistics in training (BatchNorm,
+    SyncBatchNorm, any cell with ``moving_mean``/``moving_variance``), unless ``use_batch_statistics=False``."""
     found = []
     for name, cell in network.cells_and_names():
         if getattr(cell, "use_batch_statistics", None) is False:

@@ -56,12 +56,10 @@ def run_compile_checks(checks: CompileChecks) -> None:
 class compile_time:  # pylint: disable=invalid-name
     """A read-only attribute computed by a Python method each time it is read, also while a graph compiles.
 
-    MindSpore's graph parser compiles the body of a ``property`` as graph code (so it cannot call
-    ``trainable_params()`` or walk the call stack), but reads any other descriptor through Python's ``getattr``
-    (checked in 2.10.0). So ``self.x`` in ``construct`` is evaluated in Python when the graph is compiled, and the
-    value (a constant, a Parameter, a ParameterTuple) is what the graph uses: settings made after the cell was
-    built but before training (freezing, a wrapping train cell, the parallel mode) are seen. The method must not
-    raise (the parser would report a missing attribute): errors go through :class:`CompileChecks`.
+    MindSpore's graph parser compiles a ``property``'s body as graph code, but reads any other descriptor through
+    Python's ``getattr`` (checked in 2.10.0): ``self.x`` in ``construct`` is evaluated in Python when the graph
+    compiles, so settings made after the cell was built (freezing, a wrapping train cell, the parallel mode) are seen.
+    The method must not raise (the parser would report a missing attribute): errors go through :class:`CompileChecks`.
     """
 
     def __init__(self, method):
@@ -78,18 +76,12 @@ def compiling_graph() -> bool:
     return ms.get_context("mode") == ms.GRAPH_MODE or read_stack().compiling_jit
 
 
-# Running a network eagerly from anywhere.
-# The loss contract's check (_contract) runs the network forward outside any graph, before the first step: from Python
-# in GRAPH_MODE too (before a graph compiles). MindSpore switches modes with set_context(mode=...) at any time (a graph
-# already compiled is kept and runs as before; checked 2.7.0 and 2.10.0); gradient recording is off for the pass (the
-# PyNative executor's set_enable_grad, as mindspore.graph.api._no_grad does; common.api before 2.9), so that a call
-# inside a PyNative train step records nothing.
-# On CPU the pass also runs synchronously: PyNative's asynchronous pipeline hands every operator to worker threads,
-# which on a CPU (the "device" being the host) costs more than the operators themselves. The loss contract's pass of
-# the 6-layer benchmark LM took 0.55 s cold / 0.37-0.44 s warm asynchronously and 0.22 s / 0.06-0.07 s synchronously
-# (docs/measurements.md). The flag is the one set_context(pynative_synchronize=...) sets, read and restored through the
-# context object, because set_context warns that the key is deprecated (for the one-way runtime.launch_blocking()).
-# On GPU/Ascend the asynchronous pipeline overlaps the host with the device, so it is left as it is there.
+# Running a network eagerly from anywhere (the loss contract's pass, before a graph compiles, in GRAPH_MODE too):
+# set_context(mode=...) switches at any time (a compiled graph is kept; checked 2.7.0 and 2.10.0); gradient recording
+# is off (the executor's set_enable_grad, as _no_grad does), so a call inside a PyNative train step records nothing.
+# On CPU the pass runs synchronously: the asynchronous pipeline costs more than the operators there
+# (docs/measurements.md); the flag is set_context(pynative_synchronize=...)'s, read and restored through the context
+# object (set_context warns that the key is deprecated). On GPU/Ascend the pipeline overlaps host and device: left.
 @contextlib.contextmanager
 def eager_mode():
     """PyNative mode without gradient recording (and, on CPU, with synchronous execution), for the duration; the mode,

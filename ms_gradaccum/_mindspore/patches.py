@@ -45,18 +45,14 @@ class Patch:
 
 
 # GradAccumulationCell differentiates the network inside a graph that the wrapping train cell differentiates again.
-# MindSpore parses the Python function mindspore.ops.zeros_like (== ops.functional.zeros_like) into one cached graph
-# per function object. Autodiff makes its zero gradients through it: C.zeros_like's Tensor case
-# (ops/composite/multitype_ops/zeros_like_impl.py::_zeros_like_tensor) returns `F.zeros_like(x)`, F being
-# mindspore.ops.functional. When the same function object is also reached from a custom bprop inside the network, the
-# graph parsed from it is used by the inner gradient and then found empty when the outer gradient evaluates it ("The
-# func graph is empty, func graph: ...zeros_like"). The way around: zeros_like_impl's `F` becomes a module of its own,
-# registered in sys.modules under its own name (the parser resolves a function's globals through the module named by
-# its namespace, graph/_parse/parser.py::get_module_namespace; _extends/parse/parser.py in 2.7), holding everything
-# mindspore.ops.functional holds except that its zeros_like is a copy of the same function. Autodiff then parses a
-# graph of its own, the user's bprop keeps the original, and both compute exactly what they did (a plain train cell
-# trains bit-identically before and after). Where MindSpore is laid out otherwise it is not applied, and the cells name
-# the bprops that call the function (.bprops).
+# MindSpore parses the function mindspore.ops.zeros_like into one cached graph per function object, and autodiff makes
+# its zero gradients through it (zeros_like_impl.py::_zeros_like_tensor returns `F.zeros_like(x)`, F being
+# ops.functional). Reached also from a custom bprop in the network, the graph parsed from it is used by the inner
+# gradient and found empty by the outer ("The func graph is empty, func graph: ...zeros_like"). The way around:
+# zeros_like_impl's `F` becomes a module of its own in sys.modules (the parser resolves a function's globals through
+# the module its namespace names, parser.py::get_module_namespace), holding all ops.functional holds but a copy of
+# zeros_like. Both compute exactly what they did (a plain train cell trains bit-identically before and after). Where
+# MindSpore is laid out otherwise it is not applied, and the cells name the bprops that call the function (.bprops).
 class AutodiffZerosLike(Patch):
     """Autodiff's zeros_like, separated from ``mindspore.ops.zeros_like`` (see above)."""
 

@@ -1,15 +1,10 @@
 """The cells and the gradient call around a cell: what the package finds when nobody hands it over.
 
-MindSpore keeps no parent pointer, and GraphExecutor does not expose the cell being compiled. The top cell is the
-`self` of Cell.compile's frame (graph mode) or of the constructs being called (PyNative), so the cells around a cell
-are found among the cells of the frames on the stack. A nested ms.jit graph compiles apart, without them: callers
-resolve in their own construct and remember the result. The stack is walked once per cell and compile (or PyNative
-call) into one frozen :class:`Surroundings` (:func:`discover`), which every read during that compile gets. Checked
-2.7.0-2.10.0.
-
-Also here: how ``Model`` routes a cell by name and the parallel mode (below, "Routing"), and the internals of a Cell
-the package reads or writes (its own Parameter dict, the precision flags). What the parallel modes read is in
-:mod:`.parallel`.
+MindSpore keeps no parent pointer, and GraphExecutor does not expose the cell being compiled: the cells around a cell
+are found among the ``self`` of the frames on the stack (Cell.compile's in graph mode, the constructs' in PyNative).
+The stack is walked once per cell and compile (or PyNative call) into one frozen :class:`Surroundings`
+(:func:`discover`). Checked 2.7.0-2.10.0. Also here: how ``Model`` routes a cell by name, the parallel mode, and the
+internals of a Cell the package reads or writes (its own Parameter dict, the precision flags).
 """
 import contextlib
 import dataclasses
@@ -125,8 +120,7 @@ class Surroundings:
 
 
 # The descriptions found during the compiles (and PyNative calls) under way, innermost last: {id(cell): (cell,
-# description)}. Each lives only as long as its compile: a description holds the train cell, so keeping it longer
-# (even in a table keyed weakly by the cell) kept every compiled cell alive.
+# description)}. Each lives only as long as its compile (kept longer, they kept every compiled cell alive).
 _SCOPES: list = []
 
 
@@ -142,14 +136,13 @@ def one_walk():
 
 
 def around_compile(cell: nn.Cell, args: tuple):   # pylint: disable=unused-argument
-    """:func:`one_walk` around each compile of a cell (a hook of _mindspore.patches.GRAPH_COMPILE)."""
+    """:func:`one_walk` around each compile of a cell (a hook of .patches.GRAPH_COMPILE)."""
     return one_walk()
 
 
 def discover(cell: nn.Cell) -> Surroundings:
-    """The surroundings of `cell`: found in one walk of the stack into one frozen description, once per compile or
-    PyNative call (:func:`one_walk`); outside them (a Python read, a ``jit`` function compiled in PyNative mode) each
-    read walks."""
+    """The surroundings of `cell`, walked once per compile or PyNative call (:func:`one_walk`); outside them each read
+    walks."""
     scope = _SCOPES[-1] if _SCOPES else None
     if scope is not None:
         found = scope.get(id(cell))
@@ -182,12 +175,9 @@ def _optimizer_of(enclosing: list) -> Optional[nn.Optimizer]:
 
 
 # --- Routing ----------------------------------------------------------------------------------------------------------
-# How ``mindspore.Model`` routes a cell, and the parallel context it reads.
-#
-# ``mindspore/train/amp.py::_is_grad_accumulation`` walks the cell tree and checks ``cell.cls_name`` against
-# :data:`ROUTED_NAMES`; a match makes ``Model``/``build_train_network`` wrap the network in ``_TrainGradAccuStepCell``,
-# whose optimizer reads buffers only the semi-auto/auto-parallel compiler pass writes (elsewhere it trains nothing).
-# ``Cell.cls_name`` is a property, so a subclass can present another name. Checked 2.7.0-2.10.0.
+# ``mindspore/train/amp.py::_is_grad_accumulation`` checks each cell's ``cls_name`` (a property) against ROUTED_NAMES; a
+# match makes ``Model`` wrap the network in ``_TrainGradAccuStepCell``, whose optimizer reads buffers only the
+# semi-auto/auto-parallel pass writes (elsewhere it trains nothing). Checked 2.7.0-2.10.0.
 
 ROUTED_NAMES = frozenset({"GradAccumulationCell", "GradAccumulation"})
 PARALLEL_PASS_MODES = frozenset({ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.ParallelMode.AUTO_PARALLEL})
