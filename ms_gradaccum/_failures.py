@@ -3,7 +3,7 @@
 A network built for a fixed batch size fails inside the micro-batch graph with MindSpore's own message. When a compile
 fails, the micro-batches' rows, micro_size and the fix are added where (1) the failed compile built an engine's graph
 (its mark, _contract.note_engine, cleared at every compile) and (2) the network, run eagerly on the first micro-batch
-(_contract.run_eagerly), fails too (on the first two only: the contract check's pass failed); where the inputs cannot
+(_eager.run_eagerly), fails too (on the first two only: the contract check's pass failed); where the inputs cannot
 be reached, the engine's call of the network must appear in MindSpore's traceback. Anything else, and errors at run
 time, pass through unchanged. Imported only when a compile fails, or the eager pass fails on micro-batch rows.
 """
