@@ -328,8 +328,8 @@ def clear_engine_mark(cell: nn.Cell, args: tuple):   # pylint: disable=unused-ar
 
 def micro_batch_context(error: Exception, args: tuple) -> Optional[str]:
     """What to add to `error`, raised by the graph executor's compile of ``args[0]`` on ``args[1:]`` (_failures)."""
-    from ms_gradaccum import _failures   # pylint: disable=import-outside-toplevel
     noted = _NOTED["engine"]
     if noted is None or not args:
         return None
+    from ms_gradaccum import _failures   # pylint: disable=import-outside-toplevel
     return _failures.micro_batch_context(error, inner_cell(args[0]), args[1:], noted())

@@ -16,12 +16,7 @@ from typing import Optional
 import mindspore as ms
 from mindspore import nn
 
-from ms_gradaccum._mindspore.surroundings import Stack, is_after_grad_code, read_stack
-
-
-def _distinct(items) -> list:
-    """`items` in order, each object once (by identity)."""
-    return list({id(item): item for item in items}.values())
+from ms_gradaccum._mindspore.surroundings import Stack, distinct, is_after_grad_code, read_stack
 
 
 def _is_after_grad(function) -> bool:
@@ -64,7 +59,7 @@ def _grad_functions_used_by(function, depth: int = 2) -> list:
             found.append(candidate)
         elif depth > 0 and callable(candidate) and not isinstance(candidate, (type, nn.Cell)):
             found += _grad_functions_used_by(candidate, depth - 1)
-    return _distinct(found)
+    return distinct(found)
 
 
 def differentiated(grad_call: Optional[tuple]) -> Optional[list]:
@@ -81,7 +76,7 @@ def differentiated(grad_call: Optional[tuple]) -> Optional[list]:
     # All the weights of every grad function it uses: accumulating more weights than one of them differentiates
     # costs buffers, never exactness.
     weights = [_weights_of(closure(grad)) for grad in _grad_functions_used_by(found)]
-    return _distinct(weight for each in weights if each for weight in each) or None
+    return distinct(weight for each in weights if each for weight in each) or None
 
 
 def differentiated_weights(stack: Optional[Stack] = None) -> Optional[list]:

@@ -21,7 +21,7 @@ from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell as TrainGradAc
 _ENCLOSING_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _distinct(items) -> list:
+def distinct(items) -> list:
     """`items` in order, each object once (by identity: Cells and Parameters may define ``==`` otherwise)."""
     kept = []
     for item in items:
@@ -39,7 +39,7 @@ def _enclosing_cells(cell: nn.Cell, roots: tuple) -> list:
         found = [ref() for ref in cached[1]]
         if all(c is not None for c in found):
             return found
-    candidates = _distinct(candidate for root in roots for _, candidate in root.cells_and_names())
+    candidates = distinct(candidate for root in roots for _, candidate in root.cells_and_names())
     found = [candidate for candidate in candidates
              if candidate is not cell and any(sub is cell for _, sub in candidate.cells_and_names())]
     found.sort(key=lambda c: len(list(c.cells_and_names())))
@@ -90,7 +90,7 @@ def read_stack() -> Stack:
             grad_call = ("locals", dict(frame.f_locals))
         under_model = under_model or _is_model_train(code)
         frame = frame.f_back
-    return Stack(tuple(_distinct(cells)), grad_call, compiling_jit, under_model)
+    return Stack(tuple(distinct(cells)), grad_call, compiling_jit, under_model)
 
 
 def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
