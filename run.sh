@@ -162,6 +162,11 @@ export DATA_PATH
 export PATH="$(dirname "$python"):$PATH"
 export GLOG_v="${GLOG_v:-3}"            # MindSpore: errors only, keeps the per-rank logs readable
 export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-10}"   # a dead rank is noticed in seconds, not minutes
+# MindSpore's CPU collectives give up on a peer after 30 s (MS_CPU_COMM_OP_TIMEOUT). A live rank can lag by more: the
+# ranks compile their first step side by side, 8 of them on 2 cores, and the job failed in the first step's all-gather.
+# Waiting longer delays nothing else: a dead rank is noticed by its heartbeats (MS_NODE_TIMEOUT). 300 s is MindSpore's
+# own ceiling for this wait (kCollectiveCommMaxTimeout).
+export MS_CPU_COMM_OP_TIMEOUT="${MS_CPU_COMM_OP_TIMEOUT:-300}"
 
 free_port() { "$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 
@@ -218,7 +223,7 @@ case "$launcher" in
     [ -n "${HOSTFILE:-}" ] && hostfile=(--hostfile "$HOSTFILE")
     timeout --kill-after=10 "$run_timeout" mpirun --allow-run-as-root --oversubscribe --bind-to none -n "$total" \
       "${hostfile[@]}" --output-filename "$log_dir" --merge-stderr-to-stdout \
-      -x MS_WORKER_NUM -x MS_SCHED_HOST -x MS_SCHED_PORT -x DATA_PATH -x GLOG_v -x MS_NODE_TIMEOUT \
+      -x MS_WORKER_NUM -x MS_SCHED_HOST -x MS_SCHED_PORT -x DATA_PATH -x GLOG_v -x MS_NODE_TIMEOUT -x MS_CPU_COMM_OP_TIMEOUT \
       bash -c 'export MS_ROLE=MS_WORKER MS_NODE_ID="$OMPI_COMM_WORLD_RANK" RANK_ID="$OMPI_COMM_WORLD_RANK"; exec "$0" "$@"' \
       "$python" "$script" --device-target "$device_target" --save-dir "$checkpoint_dir" "$@" >"$log_dir/mpirun.log" 2>&1 </dev/null || status=$?
     if [ "$status" -ne 0 ]; then kill "$scheduler" 2>/dev/null || true; fi

@@ -13,6 +13,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "too
 # seconds to start and to shut down. Its local clusters need no such spacing; a setting from outside wins.
 os.environ.setdefault("MS_RETRY_INTERVAL_LOWER", "1")
 os.environ.setdefault("MS_RETRY_INTERVAL_UPPER", "1")
+# Its CPU collectives give up on a peer after 30 s (MS_CPU_COMM_OP_TIMEOUT): ranks compiling side by side beside the
+# suite's other workers can lag by more. run.sh sets 300 s for the same reason (test_run_sh.py tests its own setting).
+os.environ.setdefault("MS_CPU_COMM_OP_TIMEOUT", "300")
 
 from launch import DEVICE_COUNT_ENV, DEVICE_ENV, INSTALLED_ENV, REPO  # noqa: E402  (tests/tools is on sys.path)
 

@@ -296,6 +296,56 @@ def test_run_sh_crash_on_the_way_out_after_every_rank_finished_is_a_finished_run
         assert (tmp_path / "job" / "checkpoints" / f"rank_{rank}" / "train-1_2.ckpt").exists()
 
 
+# Loaded by every Python of a job through PYTHONPATH (a sitecustomize module): rank 1 starts training LATE_RANK_SECONDS
+# after the others, as a rank still compiling its first step on a loaded machine does.
+_LATE_RANK = """
+import os, sys, time
+
+if sys.argv[0].endswith("train.py") and "--validate-only" not in sys.argv and os.environ.get("MS_ROLE") != "MS_SCHED" \\
+        and os.environ.get("RANK_ID") == "1":
+    import mindspore
+    _train = mindspore.train.Model.train
+
+    def _late_train(self, *args, **kwargs):
+        seconds = float(os.environ["LATE_RANK_SECONDS"])
+        print(f"[late rank] rank 1 starts training {seconds:g} s late", flush=True)
+        time.sleep(seconds)
+        return _train(self, *args, **kwargs)
+
+    mindspore.train.Model.train = _late_train
+"""
+
+
+@pytest.mark.skipif(suite_device() != "CPU", reason="MS_CPU_COMM_OP_TIMEOUT governs MindSpore's CPU collectives only")
+def test_run_sh_waits_for_a_rank_late_to_its_first_step(tmp_path):
+    # Rank 1 starts training 50 s after rank 0, which waits for it in the first step's all-gather (the replica check).
+    # MindSpore's CPU collectives give up after 30 s by default; run.sh's 300 s lets the job train. Control: the same
+    # lag with a 20 s wait given from outside (which run.sh keeps) fails the job in that collective.
+    require_ranks(2)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_LATE_RANK)
+
+    def late_job(folder: str, **env) -> subprocess.CompletedProcess:
+        environment = _run_sh_env(tmp_path, folder, LATE_RANK_SECONDS="50", **env)
+        environment["PYTHONPATH"] = os.pathsep.join([str(hook), environment.get("PYTHONPATH", "")])
+        if not env:
+            environment.pop("MS_CPU_COMM_OP_TIMEOUT", None)   # run.sh's own setting, not the suite's (conftest.py)
+        return subprocess.run(["bash", os.path.join(REPO, "run.sh"), "2", "--epochs", "1", "--max-steps", "2"],
+                              env=environment, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+
+    waited = late_job("waited")
+    assert waited.returncode == 0, waited.stdout[-3000:] + waited.stderr[-3000:]
+    late_log = _read(str(tmp_path / "waited" / "1" / "rank.1" / "stdout"))
+    assert "[late rank] rank 1 starts training 50 s late" in late_log, late_log[-2000:]
+    assert "run.sh: done." in waited.stdout and waited.stdout.count("] final loss") == 2, waited.stdout[-3000:]
+    refused = late_job("control", MS_CPU_COMM_OP_TIMEOUT="20")
+    logs = "".join(_read(str(log)) for log in sorted((tmp_path / "control").glob("1/rank.*/stdout")))
+    assert refused.returncode != 0 and "run.sh: FAILED" in refused.stderr + refused.stdout, \
+        refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert "CollectiveWait" in logs and "AllGather" in logs, logs[-3000:]
+
+
 def _final_line(log) -> tuple:
     found = re.search(r"final loss ([0-9.]+) test accuracy ([0-9.]+)", log.read_text(errors="replace"))
     assert found, log.read_text(errors="replace")[-2000:]
