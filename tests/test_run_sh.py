@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Optional
 
 import pytest
 
@@ -252,6 +253,14 @@ def _guards_of(run_sh_pid: int) -> list:
     return found
 
 
+def _with_hook(tmp_path, source: str, env: dict) -> dict:
+    """`env` with `source` as the sitecustomize module of every Python the job starts (first on PYTHONPATH)."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(source)
+    return dict(env, PYTHONPATH=os.pathsep.join([str(hook), env.get("PYTHONPATH", "")]))
+
+
 # Loaded by every Python of a job through PYTHONPATH (a sitecustomize module): each rank, once every rank's log holds
 # its final line, ends with SIGSEGV on its way out, as MindSpore's CPU cluster sometimes does in its own shutdown.
 _CRASH_ON_THE_WAY_OUT = """
@@ -279,12 +288,9 @@ def test_run_sh_crash_on_the_way_out_after_every_rank_finished_is_a_finished_run
     # results are complete) with a note of the launcher's status, not as FAILED. Control: a rank killed before its
     # final line fails the job (test_run_sh_killed_rank_fails_fast_with_its_log, the killed-job test).
     require_ranks(2)
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_CRASH_ON_THE_WAY_OUT)
-    env = _run_sh_env(tmp_path, "job", CRASH_AFTER_FINAL_RANKS="2",
-                      CRASH_AFTER_FINAL_LOGS=str(tmp_path / "job" / "1" / "rank.*" / "stdout"))
-    env["PYTHONPATH"] = os.pathsep.join([str(hook), env.get("PYTHONPATH", "")])
+    env = _with_hook(tmp_path, _CRASH_ON_THE_WAY_OUT,
+                     _run_sh_env(tmp_path, "job", CRASH_AFTER_FINAL_RANKS="2",
+                                 CRASH_AFTER_FINAL_LOGS=str(tmp_path / "job" / "1" / "rank.*" / "stdout")))
     done = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "2", "--epochs", "1", "--max-steps", "2"], env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -322,24 +328,23 @@ def test_run_sh_waits_for_a_rank_late_to_its_first_step(tmp_path):
     # MindSpore's CPU collectives give up after 30 s by default; run.sh's 300 s lets the job train. Control: the same
     # lag with a 20 s wait given from outside (which run.sh keeps) fails the job in that collective.
     require_ranks(2)
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_LATE_RANK)
 
-    def late_job(folder: str, **env) -> subprocess.CompletedProcess:
-        environment = _run_sh_env(tmp_path, folder, LATE_RANK_SECONDS="50", **env)
-        environment["PYTHONPATH"] = os.pathsep.join([str(hook), environment.get("PYTHONPATH", "")])
-        if not env:
-            environment.pop("MS_CPU_COMM_OP_TIMEOUT", None)   # run.sh's own setting, not the suite's (conftest.py)
+    def late_job(folder: str, wait: Optional[str]) -> subprocess.CompletedProcess:
+        """The job with rank 1 late; `wait` is MS_CPU_COMM_OP_TIMEOUT given from outside (None: run.sh's own, not the
+        suite's from conftest.py)."""
+        environment = _with_hook(tmp_path, _LATE_RANK, _run_sh_env(tmp_path, folder, LATE_RANK_SECONDS="50"))
+        environment.pop("MS_CPU_COMM_OP_TIMEOUT", None)
+        if wait is not None:
+            environment["MS_CPU_COMM_OP_TIMEOUT"] = wait
         return subprocess.run(["bash", os.path.join(REPO, "run.sh"), "2", "--epochs", "1", "--max-steps", "2"],
                               env=environment, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
 
-    waited = late_job("waited")
+    waited = late_job("waited", None)
     assert waited.returncode == 0, waited.stdout[-3000:] + waited.stderr[-3000:]
     late_log = _read(str(tmp_path / "waited" / "1" / "rank.1" / "stdout"))
     assert "[late rank] rank 1 starts training 50 s late" in late_log, late_log[-2000:]
     assert "run.sh: done." in waited.stdout and waited.stdout.count("] final loss") == 2, waited.stdout[-3000:]
-    refused = late_job("control", MS_CPU_COMM_OP_TIMEOUT="20")
+    refused = late_job("control", "20")
     logs = "".join(_read(str(log)) for log in sorted((tmp_path / "control").glob("1/rank.*/stdout")))
     assert refused.returncode != 0 and "run.sh: FAILED" in refused.stderr + refused.stdout, \
         refused.stdout[-3000:] + refused.stderr[-3000:]
