@@ -16,6 +16,7 @@ from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NA
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._kinds import LossKind
 from ms_gradaccum._kinds import LossSpec
+from ms_gradaccum._tokens import recognised
 from ms_gradaccum._validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
                                       foreign_optimizer_error, no_trained_weights_error)
 
@@ -109,10 +110,14 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
     stand-alone and under data parallel; under semi-auto/auto parallel it hands the work to MindSpore's parallel pass.
 
     Contract: the full-batch update, exactly, when the loss is a mean over independent rows (or, with
-    ``per_token_loss=True``, ``(loss_sum, count)``, or a sum with ``reduction='sum'``); the first step checks it and
-    stops with the measured ratio where it does not hold. BatchNorm and dropout are warned about (per-micro-batch
-    statistics and masks). Which weights: `weights`, else those the wrapping train cell differentiates, else those
-    with ``requires_grad=True``, found when the graph compiles. Details: ``docs/design.md``.
+    ``per_token_loss=True``, ``(loss_sum, count)``, or a sum with ``reduction='sum'``). A mean over valid labels that
+    the cell recognises (``nn.CrossEntropyLoss``/``nn.NLLLoss`` with ``reduction='mean'``, MindFormers'
+    ``CrossEntropyLoss``) is made exact whatever its labels, weighting each micro-batch by its count. The contract is
+    checked on the first step and again on later ones (``check_loss``), and a micro-batch whose loss is not finite while
+    others' are stops the step; either stops before any update, with the route that fits. BatchNorm is warned about (its
+    statistics are per micro-batch); dropout draws other masks, equal in distribution, and is not. Which weights:
+    `weights`, else those the wrapping train cell differentiates, else those with ``requires_grad=True``, found when the
+    graph compiles. Details: ``docs/design.md``.
 
     Args:
         network (Cell): Returns a single-element loss (``()`` or ``(1,)``), e.g. ``nn.WithLossCell(net, loss_fn)``.
@@ -120,11 +125,12 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
         loss_scale (Union[None, float, Tensor, Parameter]): The micro-batches' loss scale. Default: that of the train
             cell around it (1.0 if none).
         per_token_loss (bool, optional): `network` returns ``(loss_sum, count)``. Default: ``None`` (``False``, and
-            token-mean losses are warned about where the update can differ).
+            the token-mean losses the cell recognises are counted).
         shared_inputs (Union[int, tuple[int]]): Inputs every micro-batch receives whole. Default: ``()``.
         reduction (str, optional): ``'mean'`` or ``'sum'`` over the rows. Default: ``None`` (``'mean'``).
         min_count (float, optional): With `per_token_loss`, the floor of the batch's count. Default: ``None`` (0).
-        check_loss (bool): Check the loss contract on the first step. Default: ``True``.
+        check_loss (bool): Check the loss contract on steps 1, 2, 4, ..., 1024 and every 1024th after (a forward pass
+            on the first two micro-batches together, eager where the batch can be reached). Default: ``True``.
         weights (Union[None, list[Parameter], tuple[Parameter]]): The weights to accumulate, each of `network`, once.
         kind (LossKind, optional): The loss kind as an object (``ms_gradaccum.LossKind``: what a micro-batch tallies,
             how the sums are normalised), instead of `per_token_loss`, `reduction` and `min_count`; see
@@ -162,8 +168,9 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
         scale = _loss_scale.for_grad_accumulation_cell(loss_scale, self, network, _NAME)
         if parallel_mode() in PARALLEL_PASS_MODES:
             _parallel_pass().check_parallel_pass_arguments(loss_scale is not None, spec.kind, spec.shared_inputs)
-        warn_where_inexact(network, spec, _NAME, [f"micro_size={spec.micro_size} micro-batches"]
+        warn_where_inexact(network, _NAME, [f"micro_size={spec.micro_size} micro-batches"]
                            if spec.micro_size > 1 else [])
+        spec = recognised(spec, network, spec.micro_size > 1)
         super().__init__(auto_prefix=False)
         self.network = network
         self.spec = spec
@@ -179,7 +186,7 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
             # The buffers of the weights trained as of now; each compile adjusts them to what it trains (_resolve).
             self.gradient_buffers.for_weights(list(weights) if weights is not None else network.trainable_params())
         self.engine = MicroBatchGradients(network, spec, overwrite=True, targets=self._targets, cls_name=_NAME,
-                                          accumulates=spec.micro_size > 1)
+                                          loss_scale=scale)
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
         self.compile_checks = CompileChecks(self)

@@ -16,7 +16,6 @@ from mindspore import nn
 
 from ms_gradaccum._cell import GradAccumulationCell
 from ms_gradaccum._contract import random_cells
-from ms_gradaccum._tokens import describe, token_means
 from ms_gradaccum._validation import batch_norm_cells, check_positive_int
 
 _NAME = "check_equivalence"
@@ -82,11 +81,6 @@ def _likely_causes(network: nn.Cell, actual: dict, expected: dict, initial: dict
             causes.append(f"a loss that is not a mean over the batch: the accumulated update is {ratio:.3g}x the "
                           f"full batch's (micro_size={micro_size}); reduce the loss with a mean, or return "
                           f"(loss_sum, count)")
-    tokens = [describe(name, cell) for name, cell, _ in token_means(network)]
-    if tokens:
-        causes.append(f"a loss that averages over valid tokens ({'; '.join(tokens)}): micro-batches with different "
-                      f"numbers of valid tokens are weighted by rows; return (loss_sum, count) with token_sum_loss and "
-                      f"per_token_loss=True")
     if not causes:
         causes.append("none visible (no BatchNorm, no dropout, update sizes agree): look for other state that "
                       "depends on the batch, or a tolerance too tight for this precision")

@@ -1,13 +1,17 @@
-"""The loss contract, checked on the first step instead of assumed (docs/design.md, "What is decided when").
+"""The loss contract, checked on the first step and again on later ones instead of assumed (docs/design.md, "What is
+decided when").
 
-The cells are exact when the loss is what they are told (a row mean, a row sum, or ``(loss_sum, count)``); zoos break
-that without a sign (a detector's ``B * sum / max(S, 1)`` trained 4 to 16 times too small). On the first step the
-network's loss on the first two micro-batches together is compared with what the kind tallies from their own losses;
-a mismatch stops before the first update, with the ratio and the route that fits. The passes run eagerly (PyNative, no
-gradient, ``_eager.run_eagerly``) on the batch the step is first compiled or called with, before anything compiles.
-Batch statistics and dropout are tolerated within [1/1.5, 1.5]. Where the batch cannot be reached from Python (a train
-cell of one's own, a ``jit`` function, sink mode, dynamic shapes) or the network runs only in graph mode, the graph
-runs the pair's pass itself.
+The cells are exact when the loss is what they are told (a row mean, a row sum, ``(loss_sum, count)``, or a loss they
+recognise, _tokens); losses that zoos and users write break that without a sign (a detector's ``B * sum / max(S, 1)``
+trained 4 to 16 times too small; a masked mean over micro-batches whose masks differ is a mean of means). On the steps
+:func:`check_due` names (1, 2, 4, ... :data:`RECHECK_EVERY`, then every :data:`RECHECK_EVERY`), the network's loss on
+the first two micro-batches together is compared with what the kind tallies from their own losses; a mismatch stops
+before that step's update, with the ratio and the route that fits. The first step shows a loss that scales with its
+rows; a normalisation by a count taken over the batch shows on the first step whose micro-batches hold different
+counts, which the later checks sample. The passes run eagerly (PyNative, no gradient, ``_eager.run_eagerly``) on the
+batch the step is called with, before its graph runs. Batch statistics and dropout are tolerated within [1/1.5, 1.5].
+Where the batch cannot be reached from Python (a train cell of one's own, a ``jit`` function, sink mode, dynamic
+shapes) or the network runs only in graph mode, the graph runs the pair's pass itself, on the same steps.
 """
 import contextlib
 import numbers
@@ -25,16 +29,30 @@ from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.surroundings import one_walk, parallel_mode
 from ms_gradaccum._eager import run_eagerly, runs_on
 from ms_gradaccum._loss_scale import PrecisionNeutral
-from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, check_tensor_inputs,
-                                      forget_layout, last_layout, micro_batch_rows, shared_input_hint,
+from ms_gradaccum._microbatch import (SPLIT, assemble, check_tensor_inputs, forget_layout, micro_batch_rows,
                                       split_as_compiled)
-from ms_gradaccum._tokens import LabelWatch
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
 # Relative tolerance of the comparison: float32 reductions in another order; float16 networks round far more.
 RTOL, RTOL_FLOAT16, ATOL = 1e-3, 2e-2, 1e-6
 # Where batch statistics or random cells make the two forward passes differ anyway: only a gross mismatch stops.
 NOISY_BAND = 1.5
+ONE = Tensor(1.0, mstype.float32)   # the eager passes' scale and count unit (the unit cancels in every comparison)
+# The checks after the first: steps 2, 4, 8, ... up to this one, then every this many steps (docs/measurements.md,
+# "The loss contract's re-checks", for their cost).
+RECHECK_EVERY = 1024
+
+
+def check_due(step: int) -> bool:
+    """Whether the loss contract is checked on `step` (counted from 1): a power of two up to
+    :data:`RECHECK_EVERY`, then every multiple of it."""
+    return step & (step - 1) == 0 if step <= RECHECK_EVERY else step % RECHECK_EVERY == 0
+
+
+def _due_in_graph(step):
+    """:func:`check_due` in a graph, on an int32 step."""
+    power_of_two = ops.logical_and(ops.bitwise_and(step, step - 1) == 0, step <= RECHECK_EVERY)
+    return ops.logical_or(power_of_two, ops.logical_and(step > RECHECK_EVERY, step % RECHECK_EVERY == 0))
 
 
 def random_cells(network: nn.Cell) -> list:
@@ -62,49 +80,18 @@ def routes(kind) -> str:
     """The exact routes, for the message (`kind`: the loss kind, _kinds)."""
     return (f"The cell was told the loss is {kind.description}. If the loss is a sum over the rows, or a mean "
             f"multiplied by the batch size, pass reduction='sum'. If it is normalised by a count taken over the batch "
-            f"(valid tokens, targets, a score sum), return (loss_sum, count) and pass per_token_loss=True "
-            f"(min_count=1.0 for a max(count, 1) floor, and reduction='sum' as well if it is also multiplied by the "
-            f"batch size). If you know the loss is fine here, pass check_loss=False.")
-
-
-class _Refused(Exception):
-    """An error of the eager pass that is the package's own answer (not a reason to leave the check to the graph)."""
-
-
-class _LeaveToGraph(Exception):
-    """An output the graph refuses with its own message, on the micro-batch's shapes."""
-
-
-def _value_and_count(out, cls_name: str, returns_count: bool) -> np.ndarray:
-    """``[loss, count]`` of an eager forward pass as ScaledLoss tallies them in the graph (float32 sums)."""
-    first = out[0] if isinstance(out, (tuple, list)) and out else out
-    try:
-        check_loss_dtype(cls_name, (getattr(first, "dtype", None),))
-    except TypeError as error:
-        raise _Refused(error) from None
-    try:
-        if isinstance(out, (tuple, list)):
-            check_loss_output(cls_name, returns_count, True, tuple(item.shape for item in out))
-        else:
-            check_loss_output(cls_name, returns_count, False, (out.shape,))
-    except ValueError as error:
-        raise _LeaveToGraph() from error
-    if isinstance(out, (tuple, list)):
-        count = out[1].asnumpy().astype(np.float32).sum() if len(out) > 1 else np.float32(1.0)
-        return np.array([out[0].asnumpy().astype(np.float32).sum(), count], np.float32)
-    return np.array([out.asnumpy().astype(np.float32).sum(), 1.0], np.float32)
+            f"(valid tokens, a mask, sample weights, targets, a score sum), return (loss_sum, count) and pass "
+            f"per_token_loss=True (min_count=1.0 for a max(count, 1) floor, and reduction='sum' as well if it is also "
+            f"multiplied by the batch size). If you know the loss is fine here, pass check_loss=False.")
 
 
 class ContractCheck(PrecisionNeutral):
-    """The check (see the module docstring). :meth:`prepared` runs it eagerly before a graph compiles or runs, on the
-    first step the owner trains; where it cannot run so, ``construct`` runs the pass on the pair inside the graph and
-    compares it with the loop's own losses of the two micro-batches."""
+    """The check (see the module docstring). :meth:`prepared` runs it eagerly before a step's graph runs, on the steps
+    :func:`check_due` names; where it cannot run so, ``construct`` runs the pass on the pair inside the graph, on the
+    same steps, and compares it with the loop's own tallies of the two micro-batches."""
 
-    def __init__(self, scaled_loss: nn.Cell, network: nn.Cell, micro_size: int, kind, enabled: bool, cls_name: str,
-                 labels: Optional[LabelWatch] = None):
+    def __init__(self, scaled_loss: nn.Cell, network: nn.Cell, micro_size: int, kind, enabled: bool, cls_name: str):
         super().__init__(auto_prefix=False)
-        # The first step's look at the labels of token-mean losses (_tokens), taken during the same eager pass.
-        self.labels = labels
         object.__setattr__(self, "_scaled_loss", scaled_loss)   # the engine's own cell: not a second child
         self.micro_size = micro_size
         self.kind = kind
@@ -115,116 +102,142 @@ class ContractCheck(PrecisionNeutral):
         self.noisy = bool(noise)
         self.noise = f" The network has batch statistics or random cells ({', '.join(noise)}): their noise " \
                      f"is tolerated, so only a ratio outside [1/{NOISY_BAND}, {NOISY_BAND}] stops." if noise else ""
-        self._checked = Unsaved(Parameter(Tensor(False), name="accu_state.loss_contract_checked",
-                                           requires_grad=False))
-        # Python state. `passed`: the check ran and held (graphs compiled later leave it out). `failed`: the eager pass
-        # could not run (the graph runs the pass itself).
+        # The steps the graph's own check has counted (0 while it has run none).
+        self._graph_steps = Unsaved(Parameter(Tensor(0, mstype.int32), name="accu_state.loss_contract_step",
+                                              requires_grad=False))
+        # Python state. `steps`: the steps prepared so far. `passed`: the eager check ran and held (graphs compiled
+        # later leave the in-graph check out). `failed`: the eager pass cannot run (the graph runs the pass itself).
+        self.steps = 0
         self.passed = False
         self.failed = False
-        # Where several inputs are split: the advice for one that the whole batch shares (set by the eager pass).
-        self.split_hint = ""
+        self.graph_checks = False
 
     @compile_time
-    def checked(self) -> Parameter:
-        return self._checked.parameter
-
-    @compile_time
-    def scaled_loss(self) -> nn.Cell:
-        return self._scaled_loss
+    def graph_steps(self) -> Parameter:
+        return self._graph_steps.parameter
 
     @compile_time
     def in_graph(self) -> bool:
-        """Whether the graph being compiled holds the check: it is on and has not passed (where it could run eagerly, it
-        has passed by the time a graph compiles, or stopped)."""
+        """Whether the graph being compiled holds the check: it is on and the eager check has not run (where it can,
+        it has run by the time a graph compiles, or stopped)."""
         return self.enabled and not self.passed
 
     @contextlib.contextmanager
     def prepared(self, engine: nn.Cell, inputs: tuple):
-        """Before a call on `inputs` (the owner's; the batch) compiles or runs: the check, eagerly, where it is on and
-        has not passed (it raises on a mismatch, before anything is compiled or updated). Where it cannot run eagerly (a
-        semi-auto/auto-parallel graph's global shapes, inputs without data, a network that runs only in graph mode), the
-        graph runs it. With the check off or passed, the label watch's look, where armed, on one micro-batch."""
-        if self.enabled and not self._has_passed():
+        """Before a step on `inputs` (the owner's; the batch) compiles or runs: the check, eagerly, on the steps
+        :func:`check_due` names, where it is on (it raises on a mismatch, before anything is compiled or updated).
+        Where it cannot run eagerly (a semi-auto/auto-parallel graph's global shapes, inputs without data, a network
+        that runs only in graph mode), the graph runs it."""
+        self.steps += 1
+        if self.enabled and not self.failed and check_due(self.steps) and not self._graph_runs_it():
             self._check_eagerly(engine, inputs)
-        if self.labels is not None and self.labels.armed:
-            self._eager_losses(engine, inputs, pair=False)
         yield
 
-    def _has_passed(self) -> bool:
-        # Read from the flag the graph sets (a device read, only until it is set).
-        if not self.passed and self.checked.asnumpy():
-            self.passed = True
-        return self.passed
+    def _graph_runs_it(self) -> bool:
+        # Read from the graph's step counter (a device read, on the steps due only, until it has counted one).
+        if not self.graph_checks and not self.passed and int(self.graph_steps.asnumpy()) > 0:
+            self.graph_checks = True
+        return self.graph_checks
 
-    def _eager_losses(self, engine: nn.Cell, inputs: tuple, pair: bool):
-        """The network's forward pass, eagerly, as ``[loss, count]``: on the rows of the first two micro-batches
-        together, then on each of them (`pair`), with their rows and the batch's count unit; or on the first
-        micro-batch only (the label watch's look, taken on the first pass either way). None where it cannot run."""
-        if self.failed or parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
+    def _passes(self, engine: nn.Cell, inputs: tuple, whole: Optional[int] = None):
+        """The tallies ``[(value, count), ...]`` of the network's forward pass, eagerly, on the first micro-batch, on
+        the second and on the two together (with `whole`, that split input given whole to each), their rows and the
+        batch's split; None where it cannot run (the graph runs the check then)."""
+        if parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
             return None
         if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
             return None
-        network = self._scaled_loss.loss_of_inputs.network
-        split = None
-        try:
-            split, shared, constants, layout = split_as_compiled(engine, inputs)
-            sizes = micro_batch_rows(split[0].shape[0], self.micro_size)[:2]
-            if pair and len(sizes) < 2:
-                return None
-            spans = [(0, sizes[0] + sizes[1]), (0, sizes[0]), (sizes[0], sizes[0] + sizes[1])] if pair \
-                else [(0, sizes[0])]
-            watch = self.labels.watching(spans[0][1], split) if self.labels is not None else contextlib.nullcontext()
-            self.split_hint = shared_input_hint(*last_layout())
-            passes = [assemble(tuple(x[start:stop] for x in split), shared, constants, layout) for start, stop in spans]
-            outputs = run_eagerly(network, passes, around_first=watch)   # labels: the first pass
-            losses = [(_value_and_count(out, self.owner_name, self.kind.returns_count), inputs, stop - start)
-                      for out, inputs, (start, stop) in zip(outputs, passes, spans)]
-        except _Refused as refused:
-            raise refused.args[0] from None
-        except Exception as error:  # pylint: disable=broad-except
-            split_only = not isinstance(error, _LeaveToGraph) and split is not None and \
-                runs_on(network, assemble(split, shared, constants, layout))
-            if split_only:
-                # It fails on micro-batch rows only: the error is the split's, and says so (a graph built from it would
-                # fail the same way, at compile or only at run time, without the context).
-                # The pair's rows where its pass (the first) failed, else a micro-batch's.
-                pair_rows_run = spans[0][1] if pair and getattr(error, "eager_call", None) == 0 else 0
-                from ms_gradaccum._failures import failure_context   # pylint: disable=import-outside-toplevel
-                with_context(error, failure_context(self.owner_name, self.micro_size, pair_rows_run))
-                raise
-            # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with
-            # its own message. The graph runs the pass (and raises what it has to).
-            self.failed = True
+        split, shared, constants, layout = split_as_compiled(engine, inputs)
+        sizes = micro_batch_rows(split[0].shape[0], self.micro_size)[:2]
+        if len(sizes) < 2:
             return None
-        return losses, sizes
+        spans = [(0, sizes[0]), (sizes[0], sizes[0] + sizes[1]), (0, sizes[0] + sizes[1])]
+
+        def part(start, stop):
+            micro = tuple(x if index == whole else x[start:stop] for index, x in enumerate(split))
+            return assemble(micro, shared, constants, layout)
+        calls = [(part(start, stop), ONE, stop - start, ONE) for start, stop in spans]
+        outputs = run_eagerly(self._scaled_loss, calls)
+        return [(out[1], out[2]) for out in outputs], sizes, (split, shared, constants, layout)
 
     def _check_eagerly(self, engine: nn.Cell, inputs: tuple) -> None:
-        """The check on the eager passes; marks it passed, raises, or leaves it to the graph (no eager pass)."""
-        found = self._eager_losses(engine, inputs, pair=True)
+        """The check on the eager passes (see :meth:`prepared`): raises on a mismatch, or leaves it to the graph where
+        the passes cannot run."""
+        try:
+            found = self._passes(engine, inputs)
+        except Exception as error:  # pylint: disable=broad-except
+            self._on_error(error, engine, inputs)
+            return
         if found is None:
             return
-        passes, sizes = found
-        rows = sizes[0] + sizes[1]
-        # The pair together, and the first two micro-batches' tallies summed as the loop sums them (_engine), counted
-        # in rows (a unit of 1: the loop's unit cancels in every comparison).
-        with eager_mode():
-            unit = Tensor(np.float32(1.0))
-            tallies = [self.kind.tally(Tensor(loss[0]), Tensor(loss[1]), part_rows, unit, inputs)[1:]
-                       for loss, inputs, part_rows in passes]
-            (value, count), first, second = tallies
-            self._compare(value, count, first[0] + second[0], first[1] + second[1], unit, rows)
+        (first, second, pair), sizes, _ = found
         self.passed = True
-        self.checked.set_data(Tensor(True))
+        if not all(np.isfinite(x.asnumpy()).all() for x in first + second):
+            return   # a non-finite micro-batch: the engine's own check stops the step, naming it
+        try:
+            with eager_mode():
+                self._compare(pair[0], pair[1], first[0] + second[0], first[1] + second[1], ONE, sum(sizes),
+                              self.steps)
+        except ValueError as error:
+            error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
+            raise
+
+    def _on_error(self, error: Exception, engine: nn.Cell, inputs: tuple) -> None:
+        """An error of the eager passes: the package's own message is raised as it is; an error the network raises on
+        micro-batch rows only is the split's, and says so; anything else leaves the check to the graph."""
+        if str(error).startswith(f"For '{self.owner_name}',"):
+            raise error
+        network = self._scaled_loss.loss_of_inputs.network
+        try:
+            split, shared, constants, layout = split_as_compiled(engine, inputs)
+            split_only = runs_on(network, assemble(split, shared, constants, layout))
+        except Exception:  # pylint: disable=broad-except
+            split_only = False
+        if split_only:
+            # A graph built from it would fail the same way, at compile or only at run time, without the context.
+            # The pair's rows where its pass (the last) failed, else a micro-batch's.
+            sizes = micro_batch_rows(split[0].shape[0], self.micro_size)
+            pair_rows_run = sizes[0] + sizes[1] if getattr(error, "eager_call", None) == 2 else 0
+            from ms_gradaccum._failures import failure_context   # pylint: disable=import-outside-toplevel
+            with_context(error, failure_context(self.owner_name, self.micro_size, engine, inputs, pair_rows_run))
+            raise error
+        # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with its
+        # own message. The graph runs the pass (and raises what it has to).
+        self.failed = True
+
+    def shared_input_hint(self, engine: nn.Cell, inputs: tuple) -> str:
+        """Where giving one split input whole to every micro-batch makes the loss combine: the advice to declare it
+        (an input shared by the whole batch whose axis 0 only equals the batch size); _failures asks it too. Tried,
+        not guessed: per-row labels of a loss whose normalisation is the problem give no such advice."""
+        layout = split_as_compiled(engine, inputs)[3]
+        for position, (kind, index) in enumerate(layout):
+            if kind != SPLIT or index == 0:
+                continue
+            try:
+                (first, second, pair), sizes, _ = self._passes(engine, inputs, whole=index)
+                with eager_mode():
+                    self._compare(pair[0], pair[1], first[0] + second[0], first[1] + second[1], ONE, sum(sizes),
+                                  self.steps)
+            except Exception:  # pylint: disable=broad-except
+                continue
+            name = f" ('{engine.input_names[position]}')" if position < len(engine.input_names) else ""
+            return (f" Given whole to every micro-batch, input {position}{name} makes the loss combine: if it is not "
+                    f"one row per sample but shared by the whole batch (class weights, ids or a mask of fixed size) "
+                    f"whose axis 0 only equals the batch size, declare it (e.g. shared_inputs=({position},)): every "
+                    f"micro-batch then gets it whole.")
+        return ""
 
     def _mismatch(self, measured, predicted):
+        """Whether `measured` and `predicted` differ beyond the tolerance; a NaN on either side is a mismatch."""
         if self.noisy:
             ratio = measured / ops.select(predicted == 0, ops.ones_like(predicted), predicted)
-            return ops.logical_or(ratio > NOISY_BAND, ratio < 1 / NOISY_BAND)
-        return ops.abs(measured - predicted) > self.rtol * ops.abs(predicted) + ATOL
+            return ops.logical_not(ops.logical_and(ratio <= NOISY_BAND, ratio >= 1 / NOISY_BAND))
+        return ops.logical_not(ops.abs(measured - predicted) <= self.rtol * ops.abs(predicted) + ATOL)
 
-    def _compare(self, value, count, pair_value, pair_count, unit, rows):
+    def _compare(self, value, count, pair_value, pair_count, unit, rows, step):
         """Raises where the network's `value` and `count` on the pair's `rows` together do not match its tallies of the
-        two micro-batches, `pair_value` and `pair_count` (eagerly, and in the graph where it runs the pass)."""
+        two micro-batches, `pair_value` and `pair_count` (eagerly, and in the graph where it runs the pass), all in
+        count units `unit`; returns whether they differ (False)."""
         measured = self.kind.compared(value, count, rows, unit)
         predicted = self.kind.compared(pair_value, pair_count, rows, unit)
         bad = self._mismatch(measured[0], predicted[0])
@@ -236,29 +249,33 @@ class ContractCheck(PrecisionNeutral):
             measured, predicted = readable(measured), readable(predicted)
             raise ValueError(
                 f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the "
-                f"cell computes it, so training would not give the full batch's update: on the first "
-                f"step, its loss on the first two micro-batches together ({rows} rows) is {measured}, but "
-                f"combined from their own losses it is {predicted} (ratio {ratio}; about 2 means the loss "
-                f"scales with the rows, other values a normalisation over the batch).{self.noise} "
-                f"{routes(self.kind)}{self.split_hint}")
+                f"cell computes it, so training would not give the full batch's update: on step {step}, its loss on "
+                f"the first two micro-batches together ({rows} rows) is {measured}, but combined from their own "
+                f"losses it is {predicted} (ratio {ratio}; about 2 means the loss scales with the rows, other values "
+                f"a normalisation over the batch).{self.noise} {routes(self.kind)}")
+        return bad
 
     def construct(self, split, others, pair_value, pair_count, unit, after):
-        """Where the check could not run eagerly: on the first call, the pass on the pair inside the graph, compared
-        with the loop's tallies (`after` is returned, made to depend on it)."""
+        """Where the check could not run eagerly: on the steps due, the pass on the pair inside the graph, compared with
+        the loop's tallies (`after` is returned, made to depend on it)."""
         if self.in_graph:
             rows = pair_rows(split[0].shape[0], self.micro_size)
             if rows > 0:
-                checked = self.checked
-                if not checked:
+                step = self.graph_steps + 1
+                after = ops.depend(after, ops.assign(self.graph_steps, step))
+                if _due_in_graph(step):
                     shared, constants, layout = others
                     pair = ()
                     for x in split:
                         pair += (x[:rows],)
-                    out = self.scaled_loss(assemble(pair, shared, constants, layout), Tensor(1.0, mstype.float32), rows,
-                                           unit)
-                    self._compare(out[1], out[2], pair_value, pair_count, unit, rows)
-                    after = ops.depend(after, ops.assign(checked, Tensor(True)))
+                    out = self.scaled_loss_cell(assemble(pair, shared, constants, layout), Tensor(1.0, mstype.float32),
+                                                rows, unit)
+                    after = ops.depend(after, self._compare(out[1], out[2], pair_value, pair_count, unit, rows, step))
         return after
+
+    @compile_time
+    def scaled_loss_cell(self) -> nn.Cell:
+        return self._scaled_loss
 
 
 # The train cells whose construct hands its inputs, unchanged, to `self.network` (mindspore/nn/wrap/cell_wrapper.py,

@@ -22,7 +22,7 @@ from ms_gradaccum._mindspore import surroundings
 from ms_gradaccum._mindspore.patches import GRAPH_COMPILE, ZEROS_LIKE
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._kinds import LossSpec
-from ms_gradaccum._tokens import LabelWatch, warn_token_mean
+from ms_gradaccum._tokens import TokenCounter, counting_view
 from ms_gradaccum._validation import readable, warn_batch_norm
 from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, input_kinds, input_names,
                                       micro_batch, partition, plan_inputs, split_batch)
@@ -61,19 +61,36 @@ def recorded_loss_shape(holder: LossShape, after: tuple) -> tuple:
 
 
 class ScaledLoss(PrecisionNeutral):
-    """``(loss * scale * weight, value, count)`` of one micro-batch in float32 scalars, as its loss kind tallies them
-    (_kinds); only the first carries a gradient. The product is taken in float32 (a float16 loss times a large scale
-    cannot overflow); with a factor of 1 the gradients are bit-identical to unscaled ones."""
+    """``(loss * scale * weight, value, count, calls)`` of one micro-batch in float32 scalars, as its loss kind tallies
+    them (_kinds); only the first carries a gradient. The product is taken in float32 (a float16 loss times a large
+    scale cannot overflow); with a factor of 1 the gradients are bit-identical to unscaled ones. Where the kind counts
+    in the network (``_tokens.CountedMean``) the network is its counting copy, and `calls` is how many times its
+    recognised cells ran (1 otherwise)."""
 
     def __init__(self, network: nn.Cell, kind, cls_name: str):
         super().__init__(auto_prefix=False)
-        self.loss_of_inputs = TupleInputs(network)
+        counter = TokenCounter() if kind.counts_in_network else None
+        self.loss_of_inputs = TupleInputs(network if counter is None else counting_view(network, kind, counter))
+        object.__setattr__(self, "_counter", counter)
+        self.counts_in_network = counter is not None
         self.kind = kind
         self.returns_count = kind.returns_count
         self.owner_name = cls_name
         self.loss_shape = LossShape()
 
+    @compile_time
+    def counted(self):
+        return self._counter.count
+
+    @compile_time
+    def counted_calls(self):
+        return self._counter.calls
+
     def construct(self, inputs, scale, rows, unit):
+        calls = Tensor(1.0, mstype.float32)
+        if self.counts_in_network:
+            zero = Tensor(0.0, mstype.float32)
+            inputs = ops.depend(inputs, (ops.assign(self.counted, zero), ops.assign(self.counted_calls, zero)))
         out = self.loss_of_inputs(inputs)
         # Sums, not reshapes: exact for the single element checked, and no shape error can come before the check's.
         if isinstance(out, tuple):
@@ -89,19 +106,32 @@ class ScaledLoss(PrecisionNeutral):
             check_loss_dtype(self.owner_name, (out.dtype,))
             loss = ops.cast(out, mstype.float32)
             count = Tensor(1.0, mstype.float32)
+        if self.counts_in_network:
+            # Read after the network's writes (MindSpore orders a Parameter's reads and writes as written). A forward
+            # pass that did not call the recognised cells counts its rows, as a row mean.
+            calls = ops.depend(self.counted_calls * 1.0, loss)
+            count = ops.select(calls > 0, ops.depend(self.counted * 1.0, loss), Tensor(rows, mstype.float32))
         # A single-element loss of shape (1,) is tallied as a scalar; its shape goes back to the owner (loss_like).
         scalar = loss.sum()
         scalar = ops.depend(scalar, record_loss_shape(self.loss_shape, loss.shape))
         weight, value, count = self.kind.tally(ops.stop_gradient(scalar), ops.stop_gradient(count), rows, unit,
                                                inputs)
         factor = ops.stop_gradient(scale * weight)
-        return scalar * factor, ops.stop_gradient(value), ops.stop_gradient(count)
+        return scalar * factor, ops.stop_gradient(value), ops.stop_gradient(count), ops.stop_gradient(calls)
 
 
 def _unpack(packed):
-    """The six tallies (value, count, smallest, finite, pair_value, pair_count) of the loop's packed vector: one
-    Unstack, not six indexings, each compiled through MindSpore's indexing functions (docs/measurements.md)."""
+    """The tallies of the loop's packed vector (:data:`TALLIES`): one Unstack, not an indexing each, each compiled
+    through MindSpore's indexing functions (docs/measurements.md)."""
     return ops.unstack(packed)
+
+
+# What the loop carries per batch, in this order, as one float32 vector: the sums of value and count, the smallest
+# count and whether every count was finite (kinds that check counts), the sums after the first two micro-batches (the
+# loss contract's in-graph check), the first micro-batch with a non-finite loss or count (-1: none) with its first and
+# last row, whether any micro-batch was finite, and the most calls of the recognised loss cells in one forward pass.
+TALLIES = ("value", "count", "smallest", "finite", "pair_value", "pair_count", "bad", "bad_first_row", "bad_last_row",
+           "any_finite", "calls")
 
 
 class MicroBatchGradients(PrecisionNeutral):
@@ -115,15 +145,15 @@ class MicroBatchGradients(PrecisionNeutral):
         targets (Callable): Returns ``(weights, buffers)``, the ParameterTuples of the trained weights and their
             buffers; read when the graph compiles.
         cls_name (str): The public cell, for error messages.
-        accumulates (bool): Whether the owner sums several micro-batches or batches per step: the first step's look
-            at the labels of undeclared token-mean losses is armed then (_tokens).
+        loss_scale (LossScale): The owner's loss scale (_loss_scale): where it skips non-finite steps, a micro-batch
+            with a non-finite loss is left to it (an overflow); elsewhere it stops the step.
 
     Its ``bprop`` returns zeros for its inputs, so an outer ``GradOperation`` treats it as opaque and does not
     differentiate through the loop (which would recompute everything and hold every activation).
     """
 
     def __init__(self, network: nn.Cell, spec: LossSpec, overwrite: bool, targets: Callable, cls_name: str,
-                 accumulates: bool):
+                 loss_scale: nn.Cell):
         super().__init__(auto_prefix=False)
         # Around every graph compile: one discovery of the surroundings per cell, the engine's mark cleared, then the
         # loss contract's eager pass; errors the network raises on a micro-batch say so (all three in _contract).
@@ -134,17 +164,24 @@ class MicroBatchGradients(PrecisionNeutral):
         GRAPH_COMPILE.install()
         micro_size = spec.micro_size
         self.scaled_loss = ScaledLoss(network, spec.kind, cls_name)
-        labels = LabelWatch(network, cls_name, spec.declared or not accumulates)
         self.contract = ContractCheck(self.scaled_loss, network, micro_size, spec.kind,
-                                      spec.check_loss and micro_size > 1, cls_name, labels)
+                                      spec.check_loss and micro_size > 1, cls_name)
         self.micro_size = micro_size
         self.shared_inputs = spec.shared_inputs
         self.input_names = input_names(network)
         self.checks_counts = spec.kind.checks_counts
+        self.counts_in_network = spec.kind.counts_in_network
+        self.counted_cells = ", ".join(getattr(spec.kind, "cells", ()))
         self.kind_setting = spec.kind.setting   # names the kind in the count's messages
         self.overwrite = overwrite
         self.owner_name = cls_name
         object.__setattr__(self, "_targets", targets)   # a bound method of the owner, not a child cell
+        object.__setattr__(self, "_loss_scale", loss_scale)   # the owner's child, read here
+
+    @compile_time
+    def skips_non_finite(self) -> bool:
+        """Whether a non-finite micro-batch is the owner's loss scale's to handle (it skips the step)."""
+        return self._loss_scale.skips_non_finite
 
     def split_inputs(self, inputs):
         """``(split, shared, constants, layout)`` of the network's inputs, for :meth:`construct`: Tensors are split
@@ -182,27 +219,33 @@ class MicroBatchGradients(PrecisionNeutral):
         shared, constants, layout = others
         return assemble(micro_batch(split, i), shared, constants, layout)
 
-    def _tally(self, out, totals, index):
-        """Adds one micro-batch's value and count, tracks the smallest and any non-finite count (where the kind checks
-        them), and keeps the first two micro-batches' tallies (for the loss contract's check). All float32: a bool
-        carried by the loop compiles slower (docs/measurements.md)."""
-        value, count, smallest, finite, pair_value, pair_count = totals
+    def _tally(self, out, totals, index, first_row, rows):
+        """Adds one micro-batch's value and count (of micro-batch `index`, rows `first_row` on), tracks the smallest and
+        any non-finite count (where the kind checks them), keeps the first two micro-batches' tallies (for the loss
+        contract's check), the first micro-batch whose loss or count is not finite, and the recognised cells' calls.
+        All float32: a bool carried by the loop compiles slower (docs/measurements.md)."""
+        value, count, smallest, finite, pair_value, pair_count, bad, bad_first, bad_last, any_finite, calls = totals
         value, count = value + out[1], count + out[2]
         if self.checks_counts:
             smallest = ops.minimum(smallest, out[2])
             finite = ops.minimum(finite, ops.cast(ops.isfinite(out[2]), mstype.float32))
         second = index == 1
+        ok = ops.logical_and(ops.isfinite(out[1]), ops.isfinite(out[2]))
+        first_bad = ops.logical_and(ops.logical_not(ok), bad < 0)
+        row = ops.cast(first_row, mstype.float32)
         return (value, count, smallest, finite, ops.select(second, value, pair_value),
-                ops.select(second, count, pair_count))
+                ops.select(second, count, pair_count), ops.select(first_bad, ops.cast(index, mstype.float32), bad),
+                ops.select(first_bad, row, bad_first), ops.select(first_bad, row + (rows - 1), bad_last),
+                ops.maximum(any_finite, ops.cast(ok, mstype.float32)), ops.maximum(calls, out[3]))
 
-    def _accumulate(self, split, others, stop, totals, scale, rows, unit, offset):
+    def _accumulate(self, split, others, stop, totals, scale, rows, unit, offset, row_offset):
         # A while loop over a Tensor counter compiles once and runs the micro-batches strictly in turn (each one's
         # activations freed before the next). The tallies travel as one float32 vector (docs/measurements.md).
         i = Tensor(0, mstype.int32)
         packed = ops.stack(totals)
         while i < stop:
             out, grads = self._value_and_grads(self._micro_inputs(split, i, others), scale, rows, unit)
-            totals = self._tally(out, _unpack(packed), i + offset)
+            totals = self._tally(out, _unpack(packed), i + offset, i * rows + row_offset, rows)
             value = add_gradients(self.buffers, grads, totals[0], self.adds_with_cast)
             packed = ops.stack((value,) + totals[1:])
             i = i + 1
@@ -219,25 +262,59 @@ class MicroBatchGradients(PrecisionNeutral):
                              f"{readable(smallest)}.")
         return smallest
 
+    def _check_calls(self, calls):
+        if calls > 1:
+            raise ValueError(
+                f"For '{self.owner_name}', the network's loss averages over valid labels ({self.counted_cells}), and "
+                f"these loss cells ran {ops.cast(calls, mstype.int32)} times in one forward pass. The cell weighs each "
+                f"micro-batch by the labels one call counts; with several calls, each dividing by its own count, no "
+                f"weight per micro-batch gives the full batch's update. Return (loss_sum, count) from the network and "
+                f"pass per_token_loss=True (ms_gradaccum.token_sum_loss gives each loss its sum and count), or pass "
+                f"per_token_loss=False if every micro-batch holds the same number of valid labels for each call.")
+        return calls
+
+    def _check_finite(self, bad, first_row, last_row, any_finite, batch):
+        if bad >= 0:
+            if any_finite > 0:
+                raise ValueError(
+                    f"For '{self.owner_name}', micro-batch {ops.cast(bad, mstype.int32)} (rows "
+                    f"{ops.cast(first_row, mstype.int32)} to {ops.cast(last_row, mstype.int32)} of the batch of "
+                    f"{batch}, micro_size={self.micro_size}) returned a non-finite loss or count (nan or inf), while "
+                    f"other micro-batches returned finite ones: the step is stopped before any weight changes. A loss "
+                    f"normalised by a count taken over its own rows is 0/0 on a micro-batch without a single valid row "
+                    f"or token (a masked mean (loss * mask).sum() / mask.sum()); where the whole batch's is finite, "
+                    f"return (loss_sum, count) from the network and pass per_token_loss=True: the cell then divides "
+                    f"the whole batch's sum by the whole batch's count (ms_gradaccum.token_sum_loss does this for "
+                    f"nn.CrossEntropyLoss and nn.NLLLoss).")
+        return bad
+
     # Compiled as a graph in PyNative mode too: there, a cell with a custom bprop runs its construct under
     # no_grad, where eager gradients are refused, and an eager loop would not free memory per micro-batch.
     @ms.jit
     def construct(self, inputs, shared, constants, layout, scale, unit, key):
         others = (shared, constants, layout)
         zero = Tensor(0.0, mstype.float32)
-        totals = (zero, zero, Tensor(float("inf"), mstype.float32), Tensor(1.0, mstype.float32), zero, zero)
+        none = Tensor(-1.0, mstype.float32)
+        totals = (zero, zero, Tensor(float("inf"), mstype.float32), Tensor(1.0, mstype.float32), zero, zero, none,
+                  none, none, zero, zero)
         if self.overwrite:
             # A fresh sum per batch: the buffers are cleared once, before the loop, so that every micro-batch goes
             # through the same loop body (one copy of the network in the graph) and adds its gradient.
             totals = (ops.depend(zero, zero_buffers(self.buffers)),) + totals[1:]
-        offset = 0
+        offset, row_offset = 0, 0
         for split, count, rows in split_batch(inputs, self.micro_size):
             # One loop per micro-batch shape: a batch micro_size divides has one, any other two (sizes differ by 1).
-            totals = self._accumulate(split, others, count, totals, scale, rows, unit, offset)
+            totals = self._accumulate(split, others, count, totals, scale, rows, unit, offset, row_offset)
             offset += count
-        value, count_total, smallest, finite, pair_value, pair_count = totals
+            row_offset += count * rows
+        value, count_total, smallest, finite, pair_value, pair_count, bad, bad_first, bad_last, any_finite, calls = \
+            totals
         if self.checks_counts:
             value = ops.depend(value, self._check_counts(smallest, finite))
+        if self.counts_in_network:
+            value = ops.depend(value, self._check_calls(calls))
+        if not self.skips_non_finite:
+            value = ops.depend(value, self._check_finite(bad, bad_first, bad_last, any_finite, row_offset))
         value = self.contract(inputs, others, pair_value, pair_count, unit, value)
         loss_like = ops.zeros(recorded_loss_shape(self.scaled_loss.loss_shape, value.shape), mstype.float32)
         return value, count_total, loss_like
@@ -251,10 +328,8 @@ class MicroBatchGradients(PrecisionNeutral):
         return zeros, shared_zeros, 0, 0, ZEROS_LIKE(scale), ZEROS_LIKE(unit), 0
 
 
-def warn_where_inexact(network: nn.Cell, spec: LossSpec, cls_name: str, splits: list) -> None:
-    """The construction warnings of a cell that splits or sums batches (`splits` says how, empty if it does not):
-    BatchNorm, and an undeclared loss that averages over valid tokens (_tokens)."""
+def warn_where_inexact(network: nn.Cell, cls_name: str, splits: list) -> None:
+    """The construction warning of a cell that splits or sums batches (`splits` says how, empty if it does not):
+    BatchNorm's statistics are per micro-batch."""
     if splits:
         warn_batch_norm(network, cls_name, " and ".join(splits))
-        if not spec.declared:
-            warn_token_mean(network, cls_name)

@@ -3,57 +3,68 @@
 A network built for a fixed batch size fails inside the micro-batch graph with MindSpore's own message. When a compile
 fails, the micro-batches' rows, micro_size and the fix are added where (1) the failed compile built an engine's graph
 (its mark, _contract.note_engine, cleared at every compile) and (2) the network, run eagerly on the first micro-batch
-(_eager.run_eagerly), fails too (on the first two only: the contract check's pass failed); where the inputs cannot
-be reached, the engine's call of the network must appear in MindSpore's traceback. Anything else, and errors at run
-time, pass through unchanged. Imported only when a compile fails, or the eager pass fails on micro-batch rows.
+(_eager.run_eagerly), fails too (on the first two only: the contract check's pass failed), while (3) it runs on the
+whole batch (an error the plain step raises as well keeps MindSpore's message alone); where the inputs cannot be
+reached, the engine's call of the network must appear in MindSpore's traceback. Anything else, and errors at run time,
+pass through unchanged. Imported only when a compile fails, or the eager pass fails on micro-batch rows.
 """
 from typing import Optional, Tuple
 
 from mindspore import nn
 
 from ms_gradaccum._eager import runs_on
-from ms_gradaccum._microbatch import (SPLIT, assemble, last_layout, micro_batch_rows, plan, shared_input_hint,
+from ms_gradaccum._microbatch import (SPLIT, assemble, input_kinds, last_layout, micro_batch_rows, plan,
                                       split_as_compiled)
 
 
-def last_split(micro_size: int) -> Tuple[list, tuple, int, list]:
-    """``(split inputs as [(index, shape)], names, batch rows, micro-batch rows largest first)`` of the layout
-    :func:`plan_inputs` last planned."""
-    kinds, names, layout = last_layout()
+def _split(micro_size: int, engine: Optional[nn.Cell], inputs: Optional[tuple]) -> Tuple[list, tuple, int, list]:
+    """``(split inputs as [(index, shape)], names, batch rows, micro-batch rows largest first)`` of `inputs` as
+    `engine` lays them out, or of the layout :func:`plan_inputs` last planned where they are not given."""
+    if engine is not None and inputs is not None:
+        layout = split_as_compiled(engine, inputs)[3]
+        kinds, names = input_kinds(inputs), engine.input_names
+    else:
+        kinds, names, layout = last_layout()
     split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == SPLIT]
     batch = split[0][1][0]
     return split, names, batch, sorted({rows for _, rows in plan(batch, micro_size)}, reverse=True)
 
 
-def failure_context(cls_name: str, micro_size: int, check_rows: int = 0) -> str:
+def failure_context(cls_name: str, micro_size: int, engine: Optional[nn.Cell] = None, inputs: Optional[tuple] = None,
+                    check_rows: int = 0) -> str:
     """What an error the network raised on a micro-batch (or on the loss contract's check of `check_rows` rows, the
-    first two micro-batches together) is about, from the layout :func:`plan_inputs` last planned: the micro-batches'
-    rows, and the fixes."""
-    split, names, batch, rows = last_split(micro_size)
+    first two micro-batches together) is about: the micro-batches' rows, and the fixes. Where `engine` and the owner's
+    `inputs` are given, an input that makes the loss combine when given whole is named (the shared-input advice is
+    tried, not guessed)."""
+    split, names, batch, rows = _split(micro_size, engine, inputs)
     row_text = " and ".join(str(r) for r in rows)
     shown = ", ".join(f"input {i}{f' ({names[i]!r})' if i < len(names) else ''} {tuple(shape)} -> "
                       f"{tuple((row_text,) + tuple(shape[1:]))}".replace("'", "") for i, shape in split)
     part = (f"the first two micro-batches together ({check_rows} rows, the loss contract's check)" if check_rows
             else "a micro-batch")
+    hint = ""
+    if engine is not None and inputs is not None:
+        hint = engine.contract.shared_input_hint(engine, inputs)
     return (f"For '{cls_name}', the error above was raised by the network running on {part}, not on the whole "
-            f"batch: micro_size={micro_size} splits the batch of {batch} rows into micro-batches of {row_text} rows "
-            f"({shown}). A cell built for a fixed batch size (e.g. a CTC loss or a reshape configured with the batch "
-            f"size) must be built for the micro-batch's rows ({row_text}), not the batch's ({batch}); then pass "
-            f"check_loss=False, since the loss contract's check runs two micro-batches together."
-            f"{shared_input_hint(*last_layout())}")
+            f"batch: micro_size={micro_size} splits the batch of {batch} rows into micro-batches of "
+            f"{row_text} rows ({shown}). A cell built for a fixed batch size (e.g. a CTC loss or a reshape configured "
+            f"with the batch size) must be built for the micro-batch's rows ({row_text}), not the batch's ({batch}); "
+            f"then pass check_loss=False, since the loss contract's check runs two micro-batches together. An input "
+            f"whose batch axis is not axis 0 (a time-major sequence (T, B, ...)) must be given batch-major."
+            f"{hint}")
 
 
-def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: int) -> Optional[bool]:
-    """Whether the network fails eagerly on the first `micro_batches` micro-batches of `inputs`; None where that
-    cannot be tried."""
+def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: Optional[int]) -> Optional[bool]:
+    """Whether the network fails eagerly on the first `micro_batches` micro-batches of `inputs` (None: on the whole
+    batch); None where that cannot be tried."""
     try:
         split, shared, constants, layout = split_as_compiled(engine, inputs)
         sizes = micro_batch_rows(split[0].shape[0], engine.micro_size)
     except Exception:  # pylint: disable=broad-except
         return None
-    if len(sizes) < micro_batches:
+    if micro_batches is not None and len(sizes) < micro_batches:
         return None
-    rows = sum(sizes[:micro_batches])
+    rows = sum(sizes[:micro_batches]) if micro_batches is not None else split[0].shape[0]
     network = engine.scaled_loss.loss_of_inputs.network
     return not runs_on(network, assemble(tuple(x[:rows] for x in split), shared, constants, layout))
 
@@ -68,26 +79,28 @@ def _network_call_in(message: str, engine: nn.Cell) -> bool:
 def micro_batch_context(error: Exception, owner: Optional[nn.Cell], inputs: tuple,
                         engine: Optional[nn.Cell]) -> Optional[str]:
     """What to add to `error`, raised by a compile after `engine` (if any) marked it; None when it is not the network's
-    on a micro-batch. `owner` is the cell whose inputs are the compiled cell's `inputs` (_contract.inner_cell)."""
+    on a micro-batch (it fails on the whole batch too, as the plain step would). `owner` is the cell whose inputs are
+    the compiled cell's `inputs` (_contract.inner_cell)."""
     if engine is None:
         return None
     if getattr(owner, "engine", None) is engine:   # the package cell, or a pass-through train cell around it
+        if _fails_on(engine, inputs, None) is not False:
+            return None   # the whole batch fails too (or cannot be tried): MindSpore's message says it all
         one = _fails_on(engine, inputs, 1)
         if one is None:
             return None
         if not one:
             if engine.contract.in_graph and _fails_on(engine, inputs, 2):
-                return _contract_context(engine)
+                return _contract_context(engine, inputs)
             return None
-    elif not _network_call_in(str(error), engine):
+        return failure_context(engine.owner_name, engine.micro_size, engine, inputs)
+    if not _network_call_in(str(error), engine):
         return None
     return failure_context(engine.owner_name, engine.micro_size) if last_layout() is not None else None
 
 
-def _contract_context(engine: nn.Cell) -> Optional[str]:
-    if last_layout() is None:
-        return None
-    _, _, batch, rows = last_split(engine.micro_size)
+def _contract_context(engine: nn.Cell, inputs: tuple) -> Optional[str]:
+    _, _, batch, rows = _split(engine.micro_size, engine, inputs)
     sizes = micro_batch_rows(batch, engine.micro_size)
     return (f"For '{engine.owner_name}', the error above was raised by the network running on the loss contract's "
             f"check: the first two micro-batches together ({sum(sizes[:2])} rows; micro_size={engine.micro_size} "

@@ -7,9 +7,10 @@ count)``: the backward pass runs on ``loss * scale * weight``, so the buffers ho
 :meth:`LossKind.normalise` turns the sums into the loss and the buffers' divisor (``_buffers.normalise``).
 
 Built in (``per_token_loss``, ``reduction`` and ``min_count`` select one): :class:`RowMean`, :class:`RowSum`,
-:class:`TokenMean`. A kind of one's own subclasses :class:`LossKind` (decorated with ``mindspore.jit_class``) and is
-passed as ``kind=`` (``tests/test_kinds.py`` writes one). :class:`LossSpec` is what a cell is told about its loss,
-validated once into one frozen object: the kind and how the batch is split.
+:class:`TokenMean`; ``_tokens.CountedMean`` where the network holds a loss the cells recognise. A kind of one's own
+subclasses :class:`LossKind` (decorated with ``mindspore.jit_class``) and is passed as ``kind=``
+(``tests/test_kinds.py`` writes one). :class:`LossSpec` is what a cell is told about its loss, validated once into one
+frozen object: the kind and how the batch is split.
 """
 import dataclasses
 from typing import Optional
@@ -34,6 +35,8 @@ class LossKind:
             (a count taken over the batch), instead of each device's mean being averaged by the gradient reducer.
         in_parallel_pass (bool): MindSpore's semi-auto/auto-parallel pass can accumulate it (a row mean only).
         checks_counts (bool): The counts the network returns are checked (finite, >= 0) on every step.
+        counts_in_network (bool): The count is what the network's recognised loss cells counted during its forward
+            pass (_tokens), not an output.
         min_count (float): The floor of the total count a batch or window divides by.
         description (str): What the cell was told the loss is, for messages.
         setting (str): The argument that selects it, for messages.
@@ -42,6 +45,7 @@ class LossKind:
     sums_across_ranks = False
     in_parallel_pass = False
     checks_counts = False
+    counts_in_network = False
     min_count = 0.0
     description = "a loss of its own kind"
     setting = "kind=..."
@@ -133,7 +137,7 @@ class TokenMean(LossKind):
         return ops.cast(rows, mstype.float32) * 1.0
 
     def compared(self, value, count, rows, unit):
-        return value / count, value, count
+        return _buffers.mean_loss(value, count), value, count
 
 
 def of_arguments(per_token_loss: bool, reduction: str, min_count: float) -> LossKind:

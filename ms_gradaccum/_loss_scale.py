@@ -56,7 +56,10 @@ def check_scale_value(value: Any, arg_name: str, cls_name: str) -> float:
 
 
 class LossScale(PrecisionNeutral):
-    """Calling it gives the float32 loss scale of the micro-batch backward passes (see the module docstring)."""
+    """Calling it gives the float32 loss scale of the micro-batch backward passes (see the module docstring).
+    :attr:`skips_non_finite`: whether a step whose gradient is not finite is skipped where this scale is used (an
+    overflow check follows it), so that the engine leaves a micro-batch with a non-finite loss to it."""
+    skips_non_finite = False
 
     def __init__(self, cls_name: str, network: nn.Cell, fix: str):
         super().__init__(auto_prefix=False)
@@ -94,7 +97,8 @@ class FixedScale(LossScale):
 
 
 class LiveScale(LossScale):
-    """A Parameter read at every step (the user's scaler, or ``scale_sense``)."""
+    """A Parameter read at every step (the user's scaler, or ``scale_sense``), whose steps are checked for overflow."""
+    skips_non_finite = True
 
     def __init__(self, parameter: Parameter, cls_name: str, network: nn.Cell, fix: str):
         super().__init__(cls_name, network, fix)
@@ -110,6 +114,10 @@ class WrapperScale(LossScale):
     def __init__(self, owner: nn.Cell, cls_name: str, network: nn.Cell, fix: str):
         super().__init__(cls_name, network, fix)
         object.__setattr__(self, "_owner", weakref.ref(owner))
+
+    @compile_time
+    def skips_non_finite(self) -> bool:
+        return isinstance(discover(self._owner()).train_cell, nn.TrainOneStepWithLossScaleCell)
 
     @compile_time
     def value(self) -> float:

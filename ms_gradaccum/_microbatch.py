@@ -57,6 +57,24 @@ def input_kinds(inputs: tuple) -> tuple:
     return kinds
 
 
+def _axis_hint(kinds: tuple, names: tuple, first: int, index: int) -> str:
+    """The fix for split inputs whose axis 0 differs: an axis 0 of 1 is an input shared by the whole batch (position
+    ids of shape (1, T)); an input holding the other's batch size on another axis has its batch axis there (a
+    time-major sequence (T, B, ...))."""
+    for one in (index, first):
+        if kinds[one][0] == 1:
+            return (f" If {_label(one, names)} is shared by the whole batch rather than one row per sample (e.g. "
+                    f"position ids of shape (1, T)), declare it: shared_inputs=({one},).")
+    for one, other in ((first, index), (index, first)):
+        if kinds[other][0] in kinds[one][1:]:
+            axis = kinds[one][1:].index(kinds[other][0]) + 1
+            return (f" If the batch axis of {_label(one, names)} is axis {axis} (a time-major sequence of shape (T, B, "
+                    f"...)), give it batch-major: the cell splits every input along axis 0 (e.g. x.swapaxes(0, "
+                    f"{axis}), with the network reading it so).")
+    return (" Every split input must hold one row per sample along axis 0; an input shared by the whole batch is "
+            "declared in shared_inputs.")
+
+
 @primexpr
 def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple, micro_size: int) -> tuple:
     """``((kind, index), ...)`` per input: SPLIT along axis 0 (the index among the split inputs), SHARED (a Tensor every
@@ -89,8 +107,7 @@ def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple,
                 raise ValueError(
                     f"For '{cls_name}', all inputs split into micro-batches must have the same batch size (axis 0), "
                     f"but {_label(first, names)} has shape {kinds[first]} and {_label(index, names)} has shape "
-                    f"{shape}. If {_label(index, names)} is shared by the whole batch rather than one row per sample "
-                    f"(e.g. position ids of shape (1, T)), declare it: shared_inputs=({index},).")
+                    f"{shape}.{_axis_hint(kinds, names, first, index)}")
         layout += ((kind, counts[kind]),)
         counts[kind] += 1
     if first is None:
@@ -238,18 +255,6 @@ def check_loss_dtype(cls_name: str, dtypes: tuple) -> None:
             f"or float64), but it returned {dtypes[0]}. An integer (a count of correct predictions, an argmax) has no "
             f"gradient: return the differentiable loss, or cast it where it is meant to train "
             f"(loss.astype(mindspore.float32)).")
-
-
-def shared_input_hint(kinds: tuple, names: tuple, layout: tuple) -> str:
-    """Where several inputs are split: the advice for one shared by the whole batch whose axis 0 happens to equal the
-    batch size (class weights for 16 classes, a batch of 16)."""
-    split = [index for index, (kind, _) in enumerate(layout) if kind == SPLIT]
-    if len(split) < 2:
-        return ""
-    candidates = ", ".join(_label(index, names) for index in split[1:])
-    return (f" If one of the split inputs ({candidates}) is not one row per sample but shared by the whole batch "
-            f"(class weights, ids or a mask of fixed size) whose axis 0 only equals the batch size, declare it (e.g. "
-            f"shared_inputs=({split[1]},)): every micro-batch then gets it whole.")
 
 
 def last_layout():

@@ -14,8 +14,9 @@ from ms_gradaccum._contract import PreparedCalls
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, discover, parallel_mode
-from ms_gradaccum._kinds import LossKind, LossSpec
+from ms_gradaccum._kinds import LossKind, LossSpec, RowMean
 from ms_gradaccum._loss_scale import SCALE_EXPECTED, LiveScale, LossScale, check_scale_value
+from ms_gradaccum._tokens import recognised
 from ms_gradaccum._validation import (argument_error, check_cell, check_has_parameters, check_positive_float,
                                       check_positive_int, foreign_optimizer_error)
 from ms_gradaccum._window import StateUnderOptimizer, Window
@@ -108,7 +109,8 @@ class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOne
             raise foreign
         splits = [f"micro_size={spec.micro_size} micro-batches"] if spec.micro_size > 1 else []
         splits += [f"accumulate_steps={accumulate_steps} batches per optimizer step"] if accumulate_steps > 1 else []
-        warn_where_inexact(loss_network, spec, _NAME, splits)
+        warn_where_inexact(loss_network, _NAME, splits)
+        spec = recognised(spec, loss_network, bool(splits))
         if scale_sense is not None and float(getattr(optimizer, "loss_scale", 1.0)) != 1.0:
             raise ValueError(
                 f"For '{_NAME}', the optimizer's loss_scale must be 1.0 when 'scale_sense' is given (this cell "
@@ -130,7 +132,7 @@ class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOne
         self.gradient_buffers = GradientBuffers(self.buffer_prefix)
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
         self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, targets=self._targets, cls_name=_NAME,
-                                          accumulates=bool(splits))
+                                          loss_scale=scale)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).
         # AdaSum optimizers keep MindSpore's reducer (their own group and degree).
         self.reduce_in_place = self.reducer_flag and isinstance(self.grad_reducer, nn.DistributedGradReducer) and \
@@ -369,6 +371,8 @@ def _merged(spec: LossSpec, given: dict) -> LossSpec:
     if given.get("per_token_loss") is not None or given.get("reduction") not in (None, "mean") or \
             given.get("kind") is not None:
         changes["declared"] = True
+        if spec.kind.counts_in_network and given.get("kind") is None:
+            changes["kind"] = RowMean()   # declared a row mean here: the recognised cells are no longer counted
     return dataclasses.replace(spec, **changes)
 
 

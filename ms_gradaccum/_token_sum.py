@@ -1,15 +1,27 @@
-"""``token_sum_loss``: the ``(loss_sum, count)`` form of a loss that averages over valid tokens, the exact route for
-the losses _tokens warns about (``per_token_loss=True`` divides the whole batch's sum by the whole batch's count)."""
-import copy
-
+"""``token_sum_loss``: the ``(loss_sum, count)`` form of a loss that averages over valid tokens (``per_token_loss=True``
+divides the whole batch's sum by the whole batch's count). The cells use the same form for the losses they recognise
+(_tokens)."""
 from mindspore import nn, ops
 
-from ms_gradaccum._tokens import is_mindformers_cross_entropy
+from ms_gradaccum._mindspore.surroundings import copy_cell
 from ms_gradaccum._validation import argument_error
 
 _NAME = "token_sum_loss"
 _SUPPORTED = ("mindspore.nn.CrossEntropyLoss or mindspore.nn.NLLLoss with reduction='mean', or MindFormers' "
               "CrossEntropyLoss")
+
+
+def is_mindformers_cross_entropy(cell: nn.Cell) -> bool:
+    return type(cell).__name__ == "CrossEntropyLoss" and type(cell).__module__.startswith("mindformers") and \
+        hasattr(cell, "calculate_per_token_loss")
+
+
+def is_token_mean(cell: nn.Cell) -> bool:
+    """Whether `cell` is a loss :func:`token_sum_loss` has the ``(loss_sum, count)`` form of: a mean over its valid
+    labels (or tokens)."""
+    if isinstance(cell, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return cell.reduction == "mean"
+    return is_mindformers_cross_entropy(cell) and not cell.calculate_per_token_loss
 
 
 class TokenSumLoss(nn.Cell):
@@ -69,7 +81,7 @@ def token_sum_loss(loss_fn: nn.Cell) -> nn.Cell:
         True
     """
     if is_mindformers_cross_entropy(loss_fn):
-        summed = copy.copy(loss_fn)
+        summed = copy_cell(loss_fn)   # its own attributes: the setting below does not reach loss_fn
         summed.calculate_per_token_loss = True
         return summed
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):

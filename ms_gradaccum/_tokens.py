@@ -1,115 +1,112 @@
-"""Losses that average over valid tokens: the warning where the exact route (``token_sum_loss``) is not taken.
+"""Losses the package recognises as means over valid labels, made exact whatever the labels hold.
 
-A loss such as ``nn.CrossEntropyLoss(ignore_index=-100, reduction='mean')`` divides by the number of labels it does not
-ignore (times their class weights), and MindFormers' ``CrossEntropyLoss`` by the number of unmasked tokens.
-Micro-batches with different such counts are not weighted by their rows: only ``(loss_sum, count)`` with
-``per_token_loss=True`` divides the whole batch's sum by the whole batch's count (the bug transformers fixed in 4.46
-with ``num_items_in_batch``).
+``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` with ``reduction='mean'`` divide by the labels that are not ``ignore_index``
+(times their class weights), MindFormers' ``CrossEntropyLoss`` by the tokens its ``input_mask`` keeps. Over
+micro-batches holding different such counts a mean of means is not the batch's mean (transformers' bug, fixed in 4.46
+with ``num_items_in_batch``). Where a cell that splits or sums batches is told nothing about its loss (no `kind`,
+`per_token_loss` or `reduction`) and its network holds such a cell, :func:`recognised` gives the spec the kind
+:class:`CountedMean`, and the engine runs :func:`counting_view` of the network: a copy in which that cell is a
+:class:`CountingLoss`, its ``(loss_sum, count)`` form (``token_sum_loss``) returning ``loss_sum / count`` as the mean
+does, and adding its count to a :class:`TokenCounter` that the engine reads after each micro-batch. Each micro-batch
+then weighs its count: the batch's loss and gradient are its sum over its count, on every step, with any labels. The
+user's network is not changed.
 """
-import contextlib
-import warnings
+import dataclasses
 
-import numpy as np
-from mindspore import nn, Tensor
+import mindspore as ms
+from mindspore import nn, ops, Parameter, Tensor
+from mindspore.common import dtype as mstype
 
-
-def is_mindformers_cross_entropy(cell: nn.Cell) -> bool:
-    return type(cell).__name__ == "CrossEntropyLoss" and type(cell).__module__.startswith("mindformers") and \
-        hasattr(cell, "calculate_per_token_loss")
-
-
-def token_means(network: nn.Cell) -> list:
-    """``[(name, cell, always), ...]``: the cells of `network` whose loss is a mean over valid tokens. `always`: the
-    update differs from the full batch's whatever the labels (class weights, MindFormers' input_mask); else only
-    where the labels make it so (ignored labels, several labels per row), which :class:`LabelWatch` looks at."""
-    found = []
-    for name, cell in network.cells_and_names():
-        if isinstance(cell, (nn.CrossEntropyLoss, nn.NLLLoss)) and cell.reduction == "mean":
-            found.append((name or "network", cell, cell.weight is not None))
-        elif is_mindformers_cross_entropy(cell) and not cell.calculate_per_token_loss:
-            found.append((name or "network", cell, True))
-    return found
+from ms_gradaccum._kinds import LossKind, LossSpec, RowMean
+from ms_gradaccum._mindspore.graph import compile_time
+from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, parallel_mode, with_child_replaced
+from ms_gradaccum._token_sum import is_token_mean, token_sum_loss
 
 
-def describe(name: str, cell: nn.Cell) -> str:
-    if is_mindformers_cross_entropy(cell):
-        return f"{name} (MindFormers CrossEntropyLoss: mean over the tokens its input_mask keeps)"
-    weighted = ", weighted by class" if cell.weight is not None else ""
-    return (f"{name} ({type(cell).__name__}: mean over the labels that are not "
-            f"ignore_index={cell.ignore_index}{weighted})")
+def token_mean_cells(network: nn.Cell) -> list:
+    """``[name, ...]``: the cells of `network` whose loss is a mean over valid labels or tokens (see the module
+    docstring), by their names in ``network.cells_and_names()`` (``''`` for the network itself)."""
+    return [name for name, cell in network.cells_and_names() if is_token_mean(cell)]
 
 
-def _warn(cls_name: str, cells: list, why: str) -> None:
-    warnings.warn(
-        f"{cls_name}: the loss averages over valid tokens: {'; '.join(cells)}. Each micro-batch is weighted by its "
-        f"rows, so {why} the update differs from the full batch's. Fix: make the loss return (loss_sum, count), with "
-        f"ms_gradaccum.token_sum_loss(loss_fn) (for MindFormers' models: calculate_per_token_loss=True in their "
-        f"config), and pass per_token_loss=True. If every row holds the same number of valid tokens, pass "
-        f"per_token_loss=False to say so.", UserWarning, stacklevel=4)
+@ms.jit_class
+class CountedMean(LossKind):
+    """A mean over what the network's recognised loss cells count (valid labels, unmasked tokens): each micro-batch
+    weighs its count (in count units); a micro-batch whose network did not call them weighs its rows, as a row mean.
+
+    Attributes:
+        cells (tuple[str]): The recognised cells, by name.
+    """
+    counts_in_network = True
+    in_parallel_pass = True   # MindSpore's pass averages micro-batch means, as it did before they were recognised
+    description = "a mean over the labels its loss cells count"
+    setting = "(a recognised token-mean loss)"
+
+    def __init__(self, cells: tuple):
+        self.cells = tuple(cells)
+
+    def tally(self, loss, count, rows, unit, inputs):
+        weight = count / unit
+        return weight, loss * weight, weight
 
 
-def warn_token_mean(network: nn.Cell, cls_name: str) -> None:
-    """At construction: one UserWarning naming the token-mean loss cells whose update differs from the full batch's
-    whatever the labels (class weights, MindFormers' token loss). The others are left to :class:`LabelWatch`."""
-    cells = [describe(name, cell) for name, cell, always in token_means(network) if always]
-    if cells:
-        _warn(cls_name, cells, "when micro-batches hold different numbers of valid tokens (padding, ignored labels, "
-                               "class weights)")
+def recognised(spec: LossSpec, network: nn.Cell, accumulates: bool) -> LossSpec:
+    """`spec` with the kind :class:`CountedMean` where `network` holds recognised token-mean cells, the cell splits or
+    sums batches (`accumulates`), nothing was declared about the loss and MindSpore's semi-auto/auto-parallel pass
+    does not accumulate (it averages micro-batch means); else `spec` itself."""
+    if spec.declared or not accumulates or type(spec.kind) is not RowMean or parallel_mode() in PARALLEL_PASS_MODES:
+        return spec
+    cells = token_mean_cells(network)
+    if not cells:
+        return spec
+    return dataclasses.replace(spec, kind=CountedMean(tuple(name or "network" for name in cells)))
 
 
-class LabelWatch:
-    """On the first step, the labels that reach the token-mean losses whose equivalence depends on them
-    (``nn.CrossEntropyLoss``/``nn.NLLLoss`` with a mean and no class weights): one label per row and none ignored is a
-    mean over rows (exact, nothing said); ignored labels, or several labels per row, get the warning. :meth:`watching`
-    hooks one eager forward pass (the loss contract's); where none runs, the loss check still stops a pair of
-    micro-batches whose counts differ."""
+class TokenCounter:
+    """What the recognised cells counted during one forward pass, and how many times they were called: two float32
+    Parameters held outside every cell tree (``accu_state.*``, not in checkpoints), read in graphs through
+    :class:`compile_time` attributes."""
 
-    def __init__(self, network: nn.Cell, cls_name: str, declared: bool):
-        self.cls_name = cls_name
-        self.cells = [] if declared else [(name, cell) for name, cell, always in token_means(network) if not always]
-        self.findings = {}
+    def __init__(self):
+        self.count = Parameter(Tensor(0.0, mstype.float32), name="accu_state.token_count", requires_grad=False)
+        self.calls = Parameter(Tensor(0.0, mstype.float32), name="accu_state.token_count_calls",
+                               requires_grad=False)
 
-    @property
-    def armed(self) -> bool:
-        return bool(self.cells)
 
-    @contextlib.contextmanager
-    def watching(self, rows: int, batch: tuple = ()):
-        """For one eager forward pass on the first `rows` rows of `batch`: looks at what reaches each watched cell (in
-        the whole batch where the labels are a batch input's first rows); warns after it. Spent afterwards."""
-        if not self.cells:
-            yield
-            return
-        handles = [cell.register_forward_pre_hook(self._look(name, rows, batch)) for name, cell in self.cells]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            cells, self.cells = self.cells, []
-        if self.findings:
-            found = [f"{describe(name, cell)}, {self.findings[name]}" for name, cell in cells if name in self.findings]
-            _warn(self.cls_name, found, "when micro-batches hold different numbers of valid labels")
+class CountingLoss(nn.Cell):
+    """In the engine's copy of the network, a recognised cell: its mean, computed as ``loss_sum / count`` from its
+    ``(loss_sum, count)`` form (0 where nothing counts, where the mean itself is 0/0), with the count added to the
+    counter. A plain Cell, so that precision flags (``to_float``) reach it as they reach the cell it stands for."""
 
-    def _look(self, name: str, rows: int, batch: tuple):
-        def hook(cell, args):
-            if len(args) < 2 or not hasattr(args[1], "asnumpy"):
-                return None
-            logits, labels = args[0], args[1]
-            if labels.ndim == logits.ndim:   # class probabilities: the mean is over rows, nothing is ignored
-                return None
-            labels = labels.asnumpy()
-            seen = []
-            if labels.size != rows:
-                seen.append(f"{labels.size / rows:.4g} labels per row")
-            whole = [x.asnumpy() for x in batch if isinstance(x, Tensor) and tuple(x.shape[1:]) == labels.shape[1:]
-                     and len(x) >= rows and x.dtype == args[1].dtype]
-            whole = [x for x in whole if np.array_equal(x[:rows], labels)]
-            labels = whole[0] if whole else labels
-            ignored = int((labels == cell.ignore_index).sum())
-            if ignored:
-                seen.append(f"{ignored} of {labels.size} labels are ignore_index")
-            if seen:
-                self.findings.setdefault(name, " and ".join(seen) + " on the first step")
-            return None
-        return hook
+    def __init__(self, cell: nn.Cell, counter: TokenCounter):
+        super().__init__(auto_prefix=False)
+        self.summed = token_sum_loss(cell)
+        object.__setattr__(self, "_counter", counter)
+
+    @compile_time
+    def counted(self) -> Parameter:
+        return self._counter.count
+
+    @compile_time
+    def calls(self) -> Parameter:
+        return self._counter.calls
+
+    def construct(self, *args):
+        loss_sum, count = self.summed(*args)
+        count = ops.stop_gradient(ops.cast(count, mstype.float32).sum())
+        safe = ops.select(count > 0, count, ops.ones_like(count))
+        loss = loss_sum / ops.cast(safe, loss_sum.dtype)
+        loss = ops.depend(loss, ops.assign_add(self.counted, count))
+        return ops.depend(loss, ops.assign_add(self.calls, Tensor(1.0, mstype.float32)))
+
+
+def counting_view(network: nn.Cell, kind: CountedMean, counter: TokenCounter) -> nn.Cell:
+    """A copy of `network` in which each cell named in ``kind.cells`` counts into `counter` (:class:`CountingLoss`);
+    only the cells on the way to them are copied, so weights and every other cell are `network`'s own."""
+    cells = dict(network.cells_and_names())
+    view = network
+    for name in kind.cells:
+        path = "" if name == "network" else name
+        counting = CountingLoss(cells[path], counter)
+        view = with_child_replaced(view, path, counting) if path else counting
+    return view

@@ -11,8 +11,9 @@ import pytest
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, _eager
+from ms_gradaccum._contract import check_due
 from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
-                     number_after, params_of, train_steps)
+                     number_after, params_of, train_steps, update_ratios)
 
 K = 4
 
@@ -187,30 +188,6 @@ def test_contract_check_fires_on_batch_norm_in_training_only_as_the_construction
     assert error is not None and "ratio" in error
 
 
-def test_contract_check_runs_once_per_cell():
-    # A loss that breaks the contract only on some batches (here: those marked in their first value) passes the first
-    # step's check and is not checked again (documented).
-    net = make_mlp()
-
-    class BreaksOnMarkedBatches(nn.Cell):
-        def __init__(self, net):
-            super().__init__(auto_prefix=False)
-            self.net, self.loss = net, ce()
-
-        def construct(self, x, y):
-            scale = ops.select(x[0, 0] > 100, Tensor(float(x.shape[0])), Tensor(1.0))
-            return self.loss(self.net(x), y) * scale
-
-    step = _cell()(BreaksOnMarkedBatches(net), make_optimizer("sgd", net.trainable_params()))
-    x, y = classification_batches(1, 32)[0]
-    first = float(step(Tensor(x), Tensor(y)).asnumpy())
-    x[0, 0] = 1000.0
-    second = float(step(Tensor(x), Tensor(y)).asnumpy())
-    assert second > 2 * first   # the break is real (one micro-batch scaled), and the check does not see it
-
-
-# --- where the check's pass runs ----------------------------------------------------------------------------------
-
 class OwnTrainCell(nn.TrainOneStepCell):
     """A train cell of one's own: a subclass may change the inputs it hands the network, so the package cell cannot
     take the batch from it before the graph compiles; the graph runs the check's pass itself."""
@@ -219,6 +196,47 @@ class OwnTrainCell(nn.TrainOneStepCell):
 def _in_own_train_cell(**kwargs):
     return lambda loss_net, opt: OwnTrainCell(GradAccumulationCell(loss_net, K, **kwargs), opt)
 
+
+class BreaksOnMarkedBatches(nn.Cell):
+    """A mean loss that breaks the contract only on batches marked in their first value (times the rows there)."""
+
+    def __init__(self, net):
+        super().__init__(auto_prefix=False)
+        self.net, self.loss = net, ce()
+
+    def construct(self, x, y):
+        scale = ops.select(x[0, 0] > 100, Tensor(float(x.shape[0])), Tensor(1.0))
+        return self.loss(self.net(x), y) * scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap", [pytest.param(_cell, id="eager"), pytest.param(_in_own_train_cell, id="in_graph")])
+def test_contract_check_runs_again_on_later_steps(wrap):
+    # Steps 1, 2, 4, 8, ... are checked, eagerly and (where the batch cannot be reached) in the graph: a loss that
+    # breaks the contract on a later step stops there, before that step's update; a step off the schedule (3) is not
+    # checked (the control that the schedule is what stops it).
+    assert [step for step in range(1, 2100) if check_due(step)] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    net = make_mlp()
+    step = wrap()(BreaksOnMarkedBatches(net), make_optimizer("sgd", net.trainable_params()))
+    x, y = classification_batches(1, 32)[0]
+    marked = x.copy()
+    marked[0, 0] = 1000.0
+    step(Tensor(x), Tensor(y))                                    # step 1: checked, holds
+    before = params_of(net)
+    with pytest.raises(ValueError, match=r"on step 2, its loss on the first two micro-batches together") as caught:
+        step(Tensor(marked), Tensor(y))                           # step 2: checked, stops
+    assert number_after("ratio", str(caught.value)) > 2, caught.value   # the pair scaled by 16 rows, one part by 8
+    assert all(np.array_equal(value, before[name]) for name, value in params_of(net).items()), "the weights moved"
+    net = make_mlp()
+    step = wrap()(BreaksOnMarkedBatches(net), make_optimizer("sgd", net.trainable_params()))
+    step(Tensor(x), Tensor(y))
+    normal = float(step(Tensor(x), Tensor(y)).asnumpy())
+    assert float(step(Tensor(marked), Tensor(y)).asnumpy()) > 2 * normal   # step 3: not checked, the break trains
+    with pytest.raises(ValueError, match=r"on step 4,"):
+        step(Tensor(marked), Tensor(y))
+
+
+# --- where the check's pass runs ----------------------------------------------------------------------------------
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where, wrap, make_loss", [
@@ -508,3 +526,104 @@ def test_contract_reshape_errors_on_a_micro_batch_say_where_they_happened_and_sy
     with pytest.raises(Exception) as caught:
         wrap()(GraphSyntaxError(net), make_optimizer("sgd", net.trainable_params()))(Tensor(x), Tensor(y))
     assert "Try" in str(caught.value) and "micro-batch" not in str(caught.value), str(caught.value)[-800:]
+
+
+# --- losses normalised by their data, beyond the first step (the rows of issue 60's table) ---------------------------
+
+class MaskedMean(nn.Cell):
+    """A hand-written masked mean: ``(loss * mask).sum() / mask.sum()``."""
+
+    def __init__(self, net):
+        super().__init__(auto_prefix=False)
+        self.net, self.per_row = net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="none")
+
+    def construct(self, x, y, mask):
+        return (self.per_row(self.net(x), y) * mask).sum() / mask.sum()
+
+
+class SampleWeightedMean(MaskedMean):
+    """A sample-weighted mean: ``(weight * loss).sum() / weight.sum()``, weights in [0.1, 2]."""
+
+
+def _masked_batches(steps, ragged_from, empty=False, weights=False, batch=32, seed=5):
+    """(x, y, mask): all ones before step `ragged_from`, ragged after (a valid row in every micro-batch); with `empty`,
+    no valid row in the second micro-batch of the first step; with `weights`, sample weights in [0.1, 2] instead."""
+    rng = np.random.RandomState(seed)
+    batches = []
+    for step, (x, y) in enumerate(classification_batches(steps, batch, seed=seed)):
+        if weights:
+            mask = rng.uniform(0.1, 2.0, batch).astype(np.float32)
+        else:
+            mask = np.ones(batch, np.float32)
+            if step >= ragged_from:
+                mask = (rng.rand(batch) < np.linspace(0.1, 0.95, batch)).astype(np.float32)
+                mask[::batch // K] = 1.0
+        if empty and step == 0:
+            mask[batch // K:2 * batch // K] = 0.0
+        batches.append((x, y, mask))
+    return batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_contract_masked_mean_ragged_after_the_first_step_is_stopped_on_the_second(wrap):
+    # Mask all ones on step 1 (a row mean then: passes), ragged from step 2: stopped there, before its update, naming
+    # the (loss_sum, count) route. Control: with the check off it trains on, away from the full batch.
+    batches = _masked_batches(3, ragged_from=1)
+    net = make_mlp()
+    step = wrap()(MaskedMean(net), make_optimizer("momentum", net.trainable_params()))
+    step(*(Tensor(a) for a in batches[0]))
+    before = params_of(net)
+    with pytest.raises(ValueError, match=r"on step 2, .*return \(loss_sum, count\) and pass per_token_loss=True"):
+        step(*(Tensor(a) for a in batches[1]))
+    assert all(np.array_equal(value, before[name]) for name, value in params_of(net).items()), "the weights moved"
+    expected, _, initial = _train(MaskedMean, nn.TrainOneStepCell, batches)
+    control, _, _ = _train(MaskedMean, wrap(check_loss=False), batches)
+    assert max(update_ratios(control, expected, initial).values()) > 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_contract_masked_mean_with_an_empty_micro_batch_stops_naming_it(wrap):
+    # No valid row in micro-batch 1 of the first step: its mean is 0/0, the full batch's is finite. Stopped before any
+    # update, naming the micro-batch, its rows and the route; the check's own comparison does not pass it (NaN is a
+    # mismatch there). Control: the full batch trains to a finite loss; declared (loss_sum, count), the empty
+    # micro-batch trains exactly.
+    batches = _masked_batches(2, ragged_from=5, empty=True)
+    net = make_mlp()
+    before = params_of(net)
+    step = wrap()(MaskedMean(net), make_optimizer("momentum", net.trainable_params()))
+    with pytest.raises(ValueError, match=r"micro-batch 1 \(rows 8 to 15 of the batch of 32, micro_size=4\) returned a "
+                                         r"non-finite loss or count .* per_token_loss=True"):
+        step(*(Tensor(a) for a in batches[0]))
+    assert all(np.array_equal(value, before[name]) for name, value in params_of(net).items()), "the weights moved"
+    expected, losses, initial = _train(MaskedMean, nn.TrainOneStepCell, batches)
+    assert np.isfinite(losses).all()
+
+    class MaskedParts(MaskedMean):
+        def construct(self, x, y, mask):
+            return (self.per_row(self.net(x), y) * mask).sum(), mask.sum()
+
+    actual, _, _ = _train(MaskedParts, wrap(per_token_loss=True), batches)
+    assert_params_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_contract_sample_weighted_mean_is_stopped_on_a_later_step():
+    # Per-row losses alike at initialisation let a sample-weighted mean pass the first step's comparison; the later
+    # checks stop it once training makes them differ, before 10 steps. Control: check_loss=False trains on, 1%+ off.
+    batches = _masked_batches(10, ragged_from=0, weights=True, seed=11)
+    net = make_mlp()
+    step = _cell()(SampleWeightedMean(net), make_optimizer("momentum", net.trainable_params()))
+    stopped = None
+    for index, batch in enumerate(batches):
+        try:
+            step(*(Tensor(a) for a in batch))
+        except ValueError as caught:
+            stopped = (index + 1, str(caught))
+            break
+    assert stopped is not None and stopped[0] in (1, 2, 4, 8), stopped
+    assert f"on step {stopped[0]}," in stopped[1] and "sample weights" in stopped[1]
+    expected, _, initial = _train(SampleWeightedMean, nn.TrainOneStepCell, batches)
+    control, _, _ = _train(SampleWeightedMean, _cell(check_loss=False), batches)
+    assert max(update_ratios(control, expected, initial).values()) > 0.01

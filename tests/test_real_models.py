@@ -88,9 +88,11 @@ def test_real_models_llama_own_loss_trains_like_the_full_batch(mode, cell, optim
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, cell", WAYS)
-@pytest.mark.parametrize("route", ["config", "token_sum_loss"])
+@pytest.mark.parametrize("route", ["config", "token_sum_loss", "recognised"])
 def test_real_models_llama_ragged_masked_batches_through_the_token_route(mode, cell, route):
     # The full batch's loss is the mean over all its valid tokens; micro-batches hold very different numbers of them.
+    # Routes: MindFormers' own (sum, count) mode, token_sum_loss on a built model, or nothing said (the cells recognise
+    # MindFormers' CrossEntropyLoss and count its tokens; the model keeps its own loss cell).
     ms.set_context(mode=mode)
     batches = _token_batches()
     expected, expected_losses, initial = _train(make_llama(), nn.TrainOneStepCell, batches)
@@ -99,10 +101,14 @@ def test_real_models_llama_ragged_masked_batches_through_the_token_route(mode, c
         if route == "config":
             return make_llama(per_token=True)          # MindFormers' own (sum, count) mode
         model = make_llama()
-        model.loss = token_sum_loss(model.loss)        # the same, on a model already built
+        if route == "token_sum_loss":
+            model.loss = token_sum_loss(model.loss)    # the same, on a model already built
         return model
 
-    actual, losses, _ = _train(per_token_model(), accumulating(cell, per_token_loss=True), batches)
+    model = per_token_model()
+    actual, losses, _ = _train(model, accumulating(cell, **({} if route == "recognised" else {"per_token_loss": True})),
+                               batches)
+    assert route != "recognised" or not model.loss.calculate_per_token_loss   # the user's model as it was
     assert_params_moved(expected, initial, **MOVED)
     _report("llama_ragged_masked_batches_through_the_token_route", actual, expected, initial)
     assert_updates_close(actual, expected, initial, fraction=FRACTION)
@@ -112,12 +118,6 @@ def test_real_models_llama_ragged_masked_batches_through_the_token_route(mode, c
     control, _, _ = _train(make_llama(), accumulating(cell, per_token_loss=False), batches)
     with pytest.raises(AssertionError, match="differs from the reference by"):
         assert_updates_close(control, expected, initial, fraction=FRACTION)
-
-
-def test_real_models_llama_loss_without_the_token_route_is_warned():
-    with pytest.warns(UserWarning, match=r"the loss averages over valid tokens: loss \(MindFormers CrossEntropyLoss: "
-                                         r"mean over the tokens its input_mask keeps\)"):
-        GradAccumulationCell(make_llama(), K)
 
 
 @pytest.mark.slow
@@ -185,3 +185,12 @@ def test_real_models_mindcv_vit_trains_like_the_full_batch(mode):
     assert_params_moved(expected, initial, **MOVED)
     _report("mindcv_vit_trains_like_the_full_batch", actual, expected, initial)
     assert_updates_close(actual, expected, initial, fraction=FRACTION)
+
+
+def test_real_models_token_sum_loss_leaves_mindformers_loss_as_it_was():
+    # Its (sum, count) form is a copy with calculate_per_token_loss=True: the model's own loss cell keeps its mean
+    # (a copy.copy of a Cell shares its attribute dict, which set the flag on both before).
+    loss = make_llama().loss
+    summed = token_sum_loss(loss)
+    assert summed.calculate_per_token_loss and not loss.calculate_per_token_loss
+    assert summed.__dict__ is not loss.__dict__ and summed._cells is not loss._cells   # pylint: disable=protected-access

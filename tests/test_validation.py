@@ -73,11 +73,18 @@ def test_validation_batch_sizes_differ_rejected():
     x, _ = _data(8)
     _, y = _data(6)
     expected = ("all inputs split into micro-batches must have the same batch size (axis 0), but input 0 ('data') has "
-                "shape (8, 16) and input 1 ('label') has shape (6,). If input 1 ('label') is shared by the whole "
-                "batch rather than one row per sample (e.g. position ids of shape (1, T)), declare it: "
-                "shared_inputs=(1,).")
+                "shape (8, 16) and input 1 ('label') has shape (6,). Every split input must hold one row per sample "
+                "along axis 0; an input shared by the whole batch is declared in shared_inputs.")
     with pytest.raises(ValueError, match=re.escape(expected)):
         cell(x, y)
+    # Per-row labels are not advised to be shared; a time-major input (T, B, F) is advised its batch axis, and an
+    # input with axis 0 of 1 (position ids) to be declared shared.
+    with pytest.raises(ValueError, match=r"If the batch axis of input 0 \('data'\) is axis 1 \(a time-major sequence "
+                                         r"of shape \(T, B, \.\.\.\)\), give it batch-major") as caught:
+        cell(Tensor(np.zeros((5, 8, 16), np.float32)), Tensor(np.zeros(8, np.int32)))
+    assert "shared_inputs" not in str(caught.value)
+    with pytest.raises(ValueError, match=r"If input 1 \('label'\) is shared by the whole batch .*shared_inputs=\(1,\)"):
+        cell(x, Tensor(np.zeros((1, 8), np.int32)))
 
 
 class _PerSampleLoss(nn.Cell):
@@ -344,7 +351,8 @@ def test_validation_fixed_batch_reshape_gets_the_micro_batch_context_in_graph_mo
     assert "micro_size=4 splits the batch of 16 rows into micro-batches of 4 rows" in head
     assert "must be built for the micro-batch's rows (4), not the batch's (16); then pass check_loss=False" in head
     # With the check off, the graph's own compile says the same (the micro-batch's graph fails on the reshape)...
-    step = nn.TrainOneStepCell(GradAccumulationCell(_FixedBatchReshape(), 4, check_loss=False),
+    loss_net = _FixedBatchReshape()
+    step = nn.TrainOneStepCell(GradAccumulationCell(loss_net, 4, check_loss=False),
                                nn.SGD(loss_net.trainable_params(), 0.1))
     with pytest.raises(ValueError, match="Reshape|reshape") as caught:
         step(x, y)

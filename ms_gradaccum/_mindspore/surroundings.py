@@ -4,9 +4,11 @@ MindSpore keeps no parent pointer, and GraphExecutor does not expose the cell be
 are found among the ``self`` of the frames on the stack (Cell.compile's in graph mode, the constructs' in PyNative).
 The stack is walked once per cell and compile (or PyNative call) into one frozen :class:`Surroundings`
 (:func:`discover`). Checked 2.7.0-2.10.0. Also here: how ``Model`` routes a cell by name, the parallel mode, and the
-internals of a Cell the package reads or writes (its own Parameter dict, the precision flags).
+internals of a Cell the package reads or writes (its own Parameter dict, the precision flags, a copy of its own).
 """
+import collections
 import contextlib
+import copy
 import dataclasses
 import sys
 import weakref
@@ -199,3 +201,29 @@ def own_parameters(cell: nn.Cell) -> dict:
     """The dict of the Parameters `cell` holds itself (``Cell._params``), to add and drop buffers by name in place:
     ``insert_param_to_cell`` adds, and nothing public removes one."""
     return cell._params  # pylint: disable=protected-access
+
+
+def copy_cell(cell: nn.Cell) -> nn.Cell:
+    """A new cell of `cell`'s class holding the same children, Parameters and settings in a table and an attribute dict
+    of its own: setting an attribute or replacing a child of the copy leaves `cell` as it is. (``copy.copy`` of a Cell
+    shares its ``__dict__``: ``Cell.__setstate__`` assigns the very dict ``__getstate__`` returned.) The copy starts
+    without compiled graphs, and counts as a Cell instance as ``Cell.__init__`` counts them (``Cell.__del__`` uncounts
+    it)."""
+    new = copy.copy(cell)
+    object.__setattr__(new, "__dict__", dict(cell.__dict__))
+    new.__dict__["_cells"] = collections.OrderedDict(cell._cells)  # pylint: disable=protected-access
+    new.__dict__["_compile_cache"] = None
+    nn.Cell.total_instance_count += 1
+    if cell in nn.Cell.global_cells:
+        nn.Cell.global_cells[new] = nn.Cell.global_cells[cell]
+    return new
+
+
+def with_child_replaced(root: nn.Cell, path: str, child: nn.Cell) -> nn.Cell:
+    """A copy of `root` (:func:`copy_cell`) in which the cell at `path` (a name of ``root.cells_and_names()``) is
+    `child`: the cells on the way to it are copied, every other cell is shared."""
+    head, _, rest = path.partition(".")
+    new = copy_cell(root)
+    inner = root._cells[head]  # pylint: disable=protected-access
+    new._cells[head] = with_child_replaced(inner, rest, child) if rest else child  # pylint: disable=protected-access
+    return new
