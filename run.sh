@@ -16,16 +16,28 @@
 # Environment: DATA_PATH (MNIST in idx format; default: built-in digits), DEVICE_TARGET (CPU|GPU|Ascend,
 # default CPU), LAUNCHER (mpirun|msrun|cluster; default: cluster for several nodes, else mpirun when
 # installed and working, else msrun), RUN_TIMEOUT (seconds for the whole job, default 1800), LOG_DIR
-# (default log_output). Several nodes (names as torchrun's): NNODES (default 1), NODE_RANK (0..NNODES-1),
+# (default log_output in this checkout; a relative LOG_DIR is taken from where run.sh is started). Several nodes (names as torchrun's): NNODES (default 1), NODE_RANK (0..NNODES-1),
 # MASTER_ADDR (node 0's address, default 127.0.0.1), MASTER_PORT (default: a free local port; required
 # with NNODES > 1); N is the number of workers on this node. HOSTFILE: passed to mpirun (--hostfile),
 # which then starts all NNODES x N workers from node 0.
 # Logs, whichever launcher runs: LOG_DIR/1/rank.<N>/stdout (the layout of the MindSpore tutorial's mpirun).
 # Checkpoints: LOG_DIR/checkpoints/rank_<N>/ (every epoch; --save-steps S: every S steps too; --no-save: none).
 # A new run clears LOG_DIR; with --resume its checkpoints are kept and training continues from the newest one that
-# every rank completed, with the data order and result of a run never stopped.
+# every rank completed, with the data order and result of a run never stopped. A LOG_DIR a running job uses is
+# refused (one job per folder). Paths and commands printed work from the directory run.sh was started in.
 set -euo pipefail
+# Paths and commands run.sh prints work from where the user stands (its folder is the checkout's, below).
+caller_dir="$PWD"
+invocation="bash $0${*:+ $*}"
 cd "$(dirname "$0")"
+self="$PWD/$(basename "$0")"
+shown() {   # an absolute path $1 as the user can type it where they stand: relative below that folder, else absolute
+  case "$1" in
+    "$caller_dir") echo "." ;;
+    "$caller_dir"/*) echo "${1#"$caller_dir"/}" ;;
+    *) echo "$1" ;;
+  esac
+}
 
 # Every process of a job carries MS_GRADACCUM_JOB=<id> in its environment (the launchers pass the environment on, and
 # msrun's workers keep it though they run in sessions of their own): that, not a process group, is how the job is found
@@ -67,7 +79,7 @@ for arg in "$@"; do
   if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
     # run.sh's own usage (its header), then the sample's options once, from the Python run.sh would use (nothing is
     # installed for this): not 8 workers each printing them.
-    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    sed -n '2,/^set -euo/p' "$self" | sed '$d' | sed 's/^# \{0,1\}//'
     echo
     echo "Options of sample_code/distributed_gradient_accumulation/train.py (given after N):"
     for candidate in "${PYTHON:-python3}" "${RUN_SH_VENV:-$PWD/.venv}/bin/python"; do
@@ -115,8 +127,11 @@ for arg in "$@"; do
 done
 device_target="${DEVICE_TARGET:-CPU}"
 run_timeout="${RUN_TIMEOUT:-1800}"
-log_dir="${LOG_DIR:-log_output}"
-case "$log_dir" in /*) checkpoint_dir="$log_dir/checkpoints" ;; *) checkpoint_dir="$PWD/$log_dir/checkpoints" ;; esac
+log_dir="${LOG_DIR:-$PWD/log_output}"   # a relative LOG_DIR is taken from where run.sh is started
+case "$log_dir" in /*) ;; *) log_dir="$caller_dir/$log_dir" ;; esac
+log_dir="${log_dir%/}"
+checkpoint_dir="$log_dir/checkpoints"
+
 script="sample_code/distributed_gradient_accumulation/train.py"
 
 # 1. The Python to run with, and the checks before anything is launched, in one run of train.py --validate-only:
@@ -185,19 +200,38 @@ if [ "$launcher" = mpirun ] && [ "$nnodes" -gt 1 ]; then
   [ "$node_rank" -eq 0 ] || fail_usage "with LAUNCHER=mpirun, start run.sh on node 0 only (NODE_RANK=0), not on node $node_rank."
   workers=$total
 fi
-if [ "$resuming" -eq 1 ]; then
-  # Keep the checkpoints to resume from; the logs are those of this run.
-  find "$log_dir" -mindepth 1 -maxdepth 1 ! -name checkpoints -exec rm -rf {} + 2>/dev/null || true
-else
-  rm -rf "$log_dir"
-fi
+# One job per folder: a job holds LOG_DIR/.run.sh.lock (flock) while run.sh runs; a second run.sh on the same folder
+# refuses before clearing it, naming the job (the note in the lock file). The lock goes with its holder: a folder left
+# by a job that died blocks nothing.
 mkdir -p "$log_dir"
+lock_file="$log_dir/.run.sh.lock"
+exec {lock_fd}>>"$lock_file"
+if command -v flock >/dev/null 2>&1; then
+  locked() { flock -n "$lock_fd"; }
+else   # no flock: the noted run.sh, if it still runs, holds the folder
+  locked() {
+    local pid; pid="$(sed -nE '1s/^PID ([0-9]+) .*/\1/p' "$lock_file" 2>/dev/null)"
+    ! { [ -n "$pid" ] && [ "$pid" != "$$" ] && grep -qa "run.sh" "/proc/$pid/cmdline" 2>/dev/null; }
+  }
+fi
+if ! locked; then
+  echo "run.sh: LOG_DIR $(shown "$log_dir") is in use by a job that is running: $(head -n 1 "$lock_file" 2>/dev/null)." \
+       "This run would clear its logs and checkpoints: nothing was touched. Either stop that job first (Ctrl-C where" \
+       "it runs, or kill the PID above), or give this run a folder of its own: LOG_DIR=<another folder> $invocation" >&2
+  exit 2
+fi
+printf 'PID %s on %s, started %s in %s: %s\n' "$$" "$(uname -n)" "$(date '+%Y-%m-%d %H:%M:%S')" "$caller_dir" \
+  "$invocation" >"$lock_file"
+# Clear the folder (it holds this job's lock); with --resume, keep the checkpoints to resume from.
+kept_name=.run.sh.lock
+[ "$resuming" -eq 1 ] && kept_name=checkpoints
+find "$log_dir" -mindepth 1 -maxdepth 1 ! -name .run.sh.lock ! -name "$kept_name" -exec rm -rf {} + 2>/dev/null || true
 # One layout for every launcher: LOG_DIR/1/rank.<N>/stdout (mpirun's --output-filename writes it itself).
 rank_log() { echo "$log_dir/1/rank.$1/stdout"; }
 for ((rank = first_rank; rank < first_rank + workers; rank++)); do mkdir -p "$log_dir/1/rank.$rank"; done
 scheduler_log="$log_dir/scheduler.log"
 port="${MASTER_PORT:-$(free_port)}"
-echo "run.sh: $workers worker(s) on $device_target with $launcher (node $node_rank of $nnodes, $total in all, master $master_addr:$port), logs in $log_dir/, timeout ${run_timeout}s"
+echo "run.sh: $workers worker(s) on $device_target with $launcher (node $node_rank of $nnodes, $total in all, master $master_addr:$port), logs in $(shown "$log_dir")/, timeout ${run_timeout}s"
 
 launch() {   # the job, by the launcher chosen; its status is the launcher's
 status=0
@@ -266,9 +300,9 @@ return "$status"
 resume_command() {
   local kept=() arg prefix=""
   for arg in "$@"; do [ "$arg" = "--resume" ] || kept+=("$arg"); done
-  [ -n "${LOG_DIR:-}" ] && prefix="LOG_DIR=$LOG_DIR "
+  [ -n "${LOG_DIR:-}" ] && prefix="LOG_DIR=$(shown "$log_dir") "
   [ -n "${LAUNCHER:-}" ] && prefix="${prefix}LAUNCHER=$LAUNCHER "
-  echo "${prefix}bash run.sh $requested_workers ${kept[*]:+${kept[*]} }--resume"
+  echo "${prefix}bash $(shown "$self") $requested_workers ${kept[*]:+${kept[*]} }--resume"
 }
 report_saved() {
   [ "$checking" -eq 1 ] && return 0
@@ -288,7 +322,7 @@ report_saved() {
     echo "run.sh: no checkpoint was completed by every rank yet: nothing to resume from (start again with the same command)."
   else
     echo "run.sh: saved: epoch ${newest% *}, step ${newest#* } of that epoch, on every rank" \
-         "($checkpoint_dir/rank_*/train-${newest% *}_${newest#* }.ckpt)."
+         "($(shown "$checkpoint_dir")/rank_*/train-${newest% *}_${newest#* }.ckpt)."
     echo "run.sh: continue with: $(resume_command "$@")"
   fi
 }
@@ -308,14 +342,16 @@ last_rank=$((first_rank + workers - 1))
 job_id="$$-$(date +%s%N)"
 export MS_GRADACCUM_JOB="$job_id" MS_GRADACCUM_RUN_SH_PID="$$" MS_GRADACCUM_RUN_SH_HOST="$(uname -n)"
 # The guard, in a session of its own and without the mark: a run.sh killed by SIGKILL leaves no job behind.
-env -u MS_GRADACCUM_JOB setsid bash "$0" --guard-job "$$" "$job_id" </dev/null >/dev/null 2>&1 &
+env -u MS_GRADACCUM_JOB setsid bash "$self" --guard-job "$$" "$job_id" </dev/null >/dev/null 2>&1 {lock_fd}>&- &
 # Ctrl-C (SIGINT), SIGTERM, SIGHUP: the trap only notes the signal (bash runs a trap between commands, or ends a
 # `read`/`wait` early for it); the loop below then stops every process of the job, says what was saved and exits 128+N.
 stop_signal=""
 trap 'stop_signal="SIGINT 130"' INT
 trap 'stop_signal="SIGTERM 143"' TERM
 trap 'stop_signal="SIGHUP 129"' HUP
-launch "$@" 2>>"$log_dir/run_sh.log" &   # bash's own notes ("Terminated") go there
+# Bash's own notes ("Terminated") go to run_sh.log; the lock stays with run.sh alone (a rank left behind when run.sh is
+# killed is stopped by the guard, and must not hold the folder after run.sh is gone).
+launch "$@" 2>>"$log_dir/run_sh.log" {lock_fd}>&- &
 launch_pid=$!
 exec {tick}<> <(:)   # an empty pipe held open: `read -t` on it waits without starting a program, and a signal ends it
 while [ -z "$stop_signal" ] && kill -0 "$launch_pid" 2>/dev/null; do
@@ -351,10 +387,10 @@ if [ "$checking" -eq 1 ] && [ "$summary_ok" -eq 1 ]; then
   grep -hE "^equivalence check|^  " "$(rank_log "$first_rank")" || true
   for ((rank = first_rank; rank <= last_rank; rank++)); do grep -hE "equivalence check (PASS|FAIL)" "$(rank_log "$rank")"; done
   if grep -qE "equivalence check FAIL" "$(rank_log "$first_rank")"; then
-    echo "run.sh: equivalence check FAILED. Logs: $log_dir/" >&2
+    echo "run.sh: equivalence check FAILED. Logs: $(shown "$log_dir")/" >&2
     exit 1
   fi
-  echo "run.sh: equivalence check passed on every rank of this node. Logs: $log_dir/"
+  echo "run.sh: equivalence check passed on every rank of this node. Logs: $(shown "$log_dir")/"
   exit 0
 fi
 
@@ -369,7 +405,7 @@ fi
 
 if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
   [ "$status" -eq 124 ] && echo "run.sh: the job did not finish within ${run_timeout}s and was stopped." >&2
-  echo "run.sh: FAILED ($launcher exit status $status). Logs: $log_dir/" >&2
+  echo "run.sh: FAILED ($launcher exit status $status). Logs: $(shown "$log_dir")/" >&2
   # The launcher's and scheduler's own account: msrun's "Worker process N exit with exception. Error code: -9",
   # mpirun's "mpirun noticed that process rank N ... exited on signal 9", the scheduler's timed-out nodes.
   grep -hE "ERROR|noticed that|exited on signal" "$log_dir/$launcher.log" "$scheduler_log" 2>/dev/null \
@@ -377,7 +413,7 @@ if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
   for ((rank = first_rank; rank <= last_rank; rank++)); do
     log="$(rank_log "$rank")"
     if [ ! -f "$log" ] || ! grep -qE "$done_line" "$log"; then
-      echo "---- rank $rank did not finish; last lines of $log:" >&2
+      echo "---- rank $rank did not finish; last lines of $(shown "$log"):" >&2
       if [ -f "$log" ]; then tail -n 25 "$log" >&2; else echo "(no log file)" >&2; fi
     fi
   done
@@ -386,7 +422,7 @@ if [ "$status" -ne 0 ] || [ "$summary_ok" -ne 1 ]; then
   exit 1
 fi
 
-echo "run.sh: done. Per-rank logs: $(rank_log "$first_rank") ... $(rank_log "$last_rank")"
+echo "run.sh: done. Per-rank logs: $(shown "$(rank_log "$first_rank")") ... $(shown "$(rank_log "$last_rank")")"
 finals=()
 for ((rank = first_rank; rank <= last_rank; rank++)); do
   finals+=("$(grep -h "final loss" "$(rank_log "$rank")" | tail -n 1)")
@@ -399,6 +435,6 @@ if [ "${#finals[@]}" -gt 1 ]; then
     '{ s += $1 } END { if (NR == n) printf "run.sh: each final loss is that rank'"'"'s last batch of its own shard; their mean is %.6f. Every rank holds the same weights.\n", s / n }'
 fi
 if [ "$checking" -eq 0 ] && [ -d "$checkpoint_dir" ]; then
-  echo "run.sh: checkpoints: $(du -sh "$checkpoint_dir" | cut -f1) in $checkpoint_dir (go on with more epochs:" \
+  echo "run.sh: checkpoints: $(du -sh "$checkpoint_dir" | cut -f1) in $(shown "$checkpoint_dir") (go on with more epochs:" \
        "$(resume_command "$@" | sed -E 's/--epochs [0-9]+ ?//') --epochs N; remove the folder when done)."
 fi

@@ -689,3 +689,67 @@ def test_run_sh_resume_is_exact_or_refused(tmp_path):
             start = _weights(tmp_path / "whole" / "checkpoints", f"rank_{rank}/train-1_3.ckpt")
             assert max(float(np.abs(start[key] - reference[key]).max()) for key in reference
                        if key.startswith("layers.")) > 1e-4
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the job's processes through /proc")
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_run_sh_refuses_a_folder_a_running_job_uses_and_not_one_a_dead_job_left(tmp_path, launcher):
+    # A second run.sh on the LOG_DIR of a running job refuses before touching it, naming the job and the way to run
+    # both; the first trains on, its logs in place. Once that job is dead (run.sh killed with SIGKILL: its guard stops
+    # the ranks), its folder blocks nothing (the control: the same command then runs).
+    require_ranks(2)
+    if launcher == "mpirun" and not _mpirun_works():
+        pytest.skip("mpirun is not installed or does not start processes here (run.sh then uses msrun)")
+    marker = uuid.uuid4().hex
+    env = _run_sh_env(tmp_path, "logs", LAUNCHER=launcher, MS_GRADACCUM_TEST_RUN=marker)
+    first = subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), "2", "--epochs", "500", "--loss-every", "1"],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rank_0 = tmp_path / "logs" / "1" / "rank.0" / "stdout"
+    second_command = ["bash", os.path.join(REPO, "run.sh"), "2", "--epochs", "1", "--max-steps", "2"]
+    try:
+        _wait_for(lambda: _still_running(first, "rank 0 to train") and "loss is" in _read(str(rank_0)), 240,
+                  "rank 0 to train", report=lambda: _log_tail(rank_0))
+        second = subprocess.run(second_command, cwd=REPO, env=_run_sh_env(tmp_path, "logs", LAUNCHER=launcher),
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"run.sh: LOG_DIR {tmp_path / 'logs'} is in use by a job that is running: PID {first.pid} on " \
+            in second.stderr, second.stderr
+        assert "bash " + os.path.join(REPO, "run.sh") + " 2 --epochs 500 --loss-every 1" in second.stderr
+        assert "LOG_DIR=<another folder> bash " in second.stderr and "nothing was touched" in second.stderr
+        assert "worker(s) on" not in second.stdout                                  # nothing launched
+        before = _read(str(rank_0))
+        _wait_for(lambda: _still_running(first, "more steps") and len(_read(str(rank_0))) > len(before), 120,
+                  "the first job to train on", report=lambda: _log_tail(rank_0))
+        os.kill(first.pid, signal.SIGKILL)
+        first.communicate(timeout=60)
+        _wait_for(lambda: not _job_processes(marker), 60, "the guard to stop the dead job's ranks")
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+    again = subprocess.run(second_command, cwd=REPO, env=_run_sh_env(tmp_path, "logs", LAUNCHER=launcher),
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert again.returncode == 0 and "run.sh: done." in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+
+
+def test_run_sh_started_elsewhere_prints_paths_and_commands_that_work_there(tmp_path):
+    # From another folder (bash <checkout>/run.sh, a relative LOG_DIR): the folder is where the user stands, and every
+    # path and the command to go on are as typed from there; that command runs. Control: the checkout's own name for
+    # it (bash run.sh) does not exist there.
+    require_ranks(2)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = _run_sh_env(tmp_path, "unused")
+    env["LOG_DIR"] = "mylogs"
+    run_sh = os.path.join(REPO, "run.sh")
+    done = subprocess.run(["bash", run_sh, "2", "--epochs", "1", "--max-steps", "2"], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "logs in mylogs/," in done.stdout and (elsewhere / "mylogs" / "1" / "rank.0" / "stdout").is_file()
+    assert "Per-rank logs: mylogs/1/rank.0/stdout ... mylogs/1/rank.1/stdout" in done.stdout, done.stdout
+    found = re.search(r"go on with more epochs: (.*) --epochs N;", done.stdout)
+    assert found and found.group(1) == f"LOG_DIR=mylogs bash {run_sh} 2 --max-steps 2 --resume", done.stdout
+    assert not (elsewhere / "run.sh").exists() and not (tmp_path / "unused").exists()
+    again = subprocess.run(["bash", "-c", found.group(1) + " --epochs 2"], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert again.returncode == 0 and "[rank 0] resumed from" in again.stdout, again.stdout[-3000:] + again.stderr

@@ -205,3 +205,45 @@ def test_sample_resume_skips_a_damaged_checkpoint_and_says_when_there_is_none(tm
     assert status == 0 and not (tmp_path / "d" / "logs" / "checkpoints").exists(), output[-3000:]
     status, output = _sample(tmp_path / "d", *RUN, "--no-save", "--resume")
     assert status == 2 and "argument --resume: not allowed with --no-save" in output, output[-3000:]
+
+
+def test_sample_progress_times_the_pace_after_the_compile(monkeypatch):
+    # The first epoch's first step compiles (60 s here); the time left comes from the steps after it. Control: the
+    # epoch's whole time over its steps (the compile counted) would say 9 min 36 s. An epoch of one step has no pace.
+    import train    # pylint: disable=import-outside-toplevel
+    clock = [0.0]
+    monkeypatch.setattr(train.time, "monotonic", lambda: clock[0])
+    printed = []
+    monkeypatch.setattr("builtins.print", lambda *args, **kwargs: printed.append(" ".join(map(str, args))))
+
+    class Args:
+        def __init__(self, step, epoch):
+            self.cur_step_num, self.cur_epoch_num, self.net_outputs = step, epoch, train.ms.Tensor(1.5)
+
+    class Context:
+        def __init__(self, step, epoch=1):
+            self.args = Args(step, epoch)
+
+        def original_args(self):
+            return self.args
+
+    progress = train.Progress(0, 10, 5, 32)
+    progress.on_train_epoch_begin(Context(0))
+    for step, at in zip(range(1, 6), (60, 61, 62, 63, 64)):
+        clock[0] = at
+        progress.on_train_step_end(Context(step))
+    progress.on_train_epoch_end(Context(5))
+    assert printed[-1] == ("[rank 0] epoch 1/10: step 5/50, loss 1.5000, 32 samples/s, about 0 min 45 s left (this "
+                           "epoch compiled the graphs)"), printed
+    progress.on_train_epoch_begin(Context(5, 2))
+    for step in range(6, 11):
+        clock[0] += 2.0
+        progress.on_train_step_end(Context(step, 2))
+    progress.on_train_epoch_end(Context(10, 2))
+    assert printed[-1].endswith("16 samples/s, about 1 min 20 s left"), printed   # 2 s a step from now on
+    single = train.Progress(0, 10, 1, 32)
+    single.on_train_epoch_begin(Context(0))
+    clock[0] += 60
+    single.on_train_step_end(Context(1))
+    single.on_train_epoch_end(Context(1))
+    assert printed[-1].endswith("time left: estimated after the next epoch (this epoch compiled the graphs)"), printed

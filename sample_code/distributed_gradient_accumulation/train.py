@@ -236,28 +236,34 @@ class Network(nn.Cell):
 
 class Progress(ms.train.Callback):
     """One line per epoch (run.sh shows the first rank's on the terminal): the epoch, the global step, the last batch's
-    loss, the job's throughput in the epoch and the time left at that pace."""
+    loss, the job's throughput and the time left at that pace. The pace is timed from the end of the run's first
+    step, which compiled the graphs: an epoch of one step has no pace yet, and says when the estimate comes."""
 
     def __init__(self, rank: int, epochs: int, steps_per_epoch: int, job_batch: int):
         super().__init__()
         self.rank, self.epochs, self.steps, self.job_batch = rank, epochs, steps_per_epoch, job_batch
-        self.epoch_started = self.epoch_first_step = None
-        self.first = True
+        self.epoch_started = self.after_compile = None   # (time, global step) from which the pace is timed
 
     def on_train_epoch_begin(self, run_context):
-        self.epoch_started, self.epoch_first_step = time.monotonic(), run_context.original_args().cur_step_num
+        self.epoch_started = (time.monotonic(), run_context.original_args().cur_step_num)
+
+    def on_train_step_end(self, run_context):
+        if self.after_compile is None:   # the run's first step is done: its graphs are compiled
+            self.after_compile = (time.monotonic(), run_context.original_args().cur_step_num)
 
     def on_train_epoch_end(self, run_context):
         args = run_context.original_args()
         done, total = args.cur_step_num, self.epochs * self.steps
-        # The pace of this epoch: the first one's includes compiling, later ones are the steady rate.
-        per_step = (time.monotonic() - self.epoch_started) / max(done - self.epoch_first_step, 1)
-        left = int(round(per_step * (total - done)))
-        compiling = " (this epoch compiled the graphs)" if self.first else ""
-        self.first = False
+        started, first_step = max(self.epoch_started, self.after_compile or self.epoch_started, key=lambda s: s[1])
+        compiled = " (this epoch compiled the graphs)" if first_step != self.epoch_started[1] else ""
+        if done > first_step:
+            per_step = (time.monotonic() - started) / (done - first_step)
+            left = int(round(per_step * (total - done)))
+            pace = f"{self.job_batch / per_step:.0f} samples/s, about {left // 60} min {left % 60:02d} s left"
+        else:
+            pace = "time left: estimated after the next epoch"
         print(f"[rank {self.rank}] epoch {args.cur_epoch_num}/{self.epochs}: step {done}/{total}, loss "
-              f"{float(args.net_outputs.asnumpy()):.4f}, {self.job_batch / per_step:.0f} samples/s, about "
-              f"{left // 60} min {left % 60:02d} s left{compiling}", flush=True)
+              f"{float(args.net_outputs.asnumpy()):.4f}, {pace}{compiled}", flush=True)
 
 
 class LauncherWatch(ms.train.Callback):
