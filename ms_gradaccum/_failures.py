@@ -84,8 +84,6 @@ def micro_batch_context(error: Exception, owner: Optional[nn.Cell], inputs: tupl
     if engine is None:
         return None
     if getattr(owner, "engine", None) is engine:   # the package cell, or a pass-through train cell around it
-        if _fails_on(engine, inputs, None) is not False:
-            return None   # the whole batch fails too (or cannot be tried): MindSpore's message says it all
         one = _fails_on(engine, inputs, 1)
         if one is None:
             return None
@@ -93,6 +91,8 @@ def micro_batch_context(error: Exception, owner: Optional[nn.Cell], inputs: tupl
             if engine.contract.in_graph and _fails_on(engine, inputs, 2):
                 return _contract_context(engine, inputs)
             return None
+        if _fails_on(engine, inputs, None) is not False:
+            return None   # the whole batch fails too (or cannot be tried): MindSpore's message says it all
         return failure_context(engine.owner_name, engine.micro_size, engine, inputs)
     if not _network_call_in(str(error), engine):
         return None

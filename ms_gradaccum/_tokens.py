@@ -38,6 +38,7 @@ class CountedMean(LossKind):
         cells (tuple[str]): The recognised cells, by name.
     """
     counts_in_network = True
+    sums_across_ranks = True   # the whole batch's count, all devices': as one process on the global batch
     in_parallel_pass = True   # MindSpore's pass averages micro-batch means, as it did before they were recognised
     description = "a mean over the labels its loss cells count"
     setting = "(a recognised token-mean loss)"
@@ -93,10 +94,10 @@ class CountingLoss(nn.Cell):
 
     def construct(self, *args):
         loss_sum, count = self.summed(*args)
-        count = ops.stop_gradient(ops.cast(count, mstype.float32).sum())
-        safe = ops.select(count > 0, count, ops.ones_like(count))
-        loss = loss_sum / ops.cast(safe, loss_sum.dtype)
-        loss = ops.depend(loss, ops.assign_add(self.counted, count))
+        count = ops.stop_gradient(count)
+        # The quotient in the count's shape and the loss's dtype, as the cell's own mean (MindFormers': shape (1,)).
+        loss = loss_sum / ops.cast(ops.select(count > 0, count, ops.ones_like(count)), loss_sum.dtype)
+        loss = ops.depend(loss, ops.assign_add(self.counted, ops.cast(count, mstype.float32).sum()))
         return ops.depend(loss, ops.assign_add(self.calls, Tensor(1.0, mstype.float32)))
 
 

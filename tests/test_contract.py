@@ -451,12 +451,11 @@ def test_contract_network_errors_on_a_micro_batch_say_where_they_happened(wrap):
     with pytest.raises(ValueError) as caught:
         step(Tensor(x), Tensor(y))
     message = str(caught.value)
-    # The check's eager pass meets the error first (it runs on the whole batch, so the split is the cause); the
-    # context comes right after MindSpore's first line, before its stacks.
-    assert "the error above was raised by the network running on the first two micro-batches together (16 rows, the " \
-           "loss contract's check), not on the whole batch: micro_size=4 splits the batch of 30 rows into " \
-           "micro-batches of 8 and 7 rows (input 0 (x) (30, 16) -> (8 and 7, 16), input 1 (y) (30,) -> (8 and 7,))" \
-        in message.split("C++ Call Stack")[0], message[-800:]
+    # The check's eager pass meets the error first, on the first micro-batch (it runs on the whole batch, so the split
+    # is the cause); the context comes right after MindSpore's first line, before its stacks.
+    assert "the error above was raised by the network running on a micro-batch, not on the whole batch: micro_size=4 " \
+           "splits the batch of 30 rows into micro-batches of 8 and 7 rows (input 0 (x) (30, 16) -> (8 and 7, 16), " \
+           "input 1 (y) (30,) -> (8 and 7,))" in message.split("C++ Call Stack")[0], message[-800:]
     assert "must be built for the micro-batch's rows (8 and 7), not the batch's (30); then pass check_loss=False" \
         in message
     # Built for the micro-batch: the loss contract's check (two micro-batches together) says it cannot run on it...

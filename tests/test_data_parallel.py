@@ -93,6 +93,27 @@ def test_data_parallel_bprop_calling_zeros_like_matches_single_process_on_global
     np.testing.assert_allclose(np.mean([r["bprop_losses"] for r in data_parallel], axis=0), expected_losses, rtol=1e-5)
 
 
+def test_data_parallel_recognised_token_mean_is_the_global_batch_token_mean(data_parallel):
+    # nn.CrossEntropyLoss told nothing, rank 0 ignoring every 2nd label, rank 1 every 3rd: the ranks equal one process
+    # on the global batch (its mean over all valid labels), every rank reporting its loss. Control: plain data
+    # parallel's mean of the ranks' means.
+    expected, expected_losses = _single_process_reference(data_parallel, "ce", "momentum",
+                                                          lambda net: nn.WithLossCell(net, nn.CrossEntropyLoss()))
+    rank0, rank1 = (_params(r, "ce_param") for r in data_parallel)
+    assert_params_close(rank1, rank0, rtol=0, atol=0)
+    assert_params_moved(rank0, _params(data_parallel[0], "initial"))
+    assert_params_close(rank0, expected, rtol=1e-5, atol=1e-6)
+    for rank in data_parallel:
+        np.testing.assert_allclose(rank["ce_losses"], expected_losses, rtol=1e-5)
+    net = make_mlp()
+    control = nn.TrainOneStepCell(_MeanOfRankMeans(net, lambda: nn.CrossEntropyLoss()),
+                                  make_optimizer("momentum", net.trainable_params()))
+    for step in range(len(data_parallel[0]["ce_x"])):
+        control(*(Tensor(r[f"ce_{name}"][step]) for r in data_parallel for name in ("x", "y")))
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        assert_params_close(params_of(net), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_data_parallel_accumulating_steps_match_single_process_on_global_window(data_parallel):
     # Each window: 4 consecutive batches on each of 2 ranks = one global batch of all 8, in one process.
     per_rank = [(r["steps_x"], r["steps_y"]) for r in data_parallel]
@@ -196,12 +217,15 @@ def test_data_parallel_token_windows_divide_by_the_global_window_count(data_para
 
 
 class _MeanOfRankMeans(nn.Cell):
-    def __init__(self, net):
-        super().__init__(auto_prefix=False)
-        self.loss = TokenLoss(net, "mean")
+    """Plain data parallel's loss: the mean of each rank's own mean (a token loss's, or a loss_fn's on a row net)."""
 
-    def construct(self, x0, y0, m0, x1, y1, m1):
-        return (self.loss(x0, y0, m0) + self.loss(x1, y1, m1)) / 2
+    def __init__(self, net, loss_fn=None):
+        super().__init__(auto_prefix=False)
+        self.loss = TokenLoss(net, "mean") if loss_fn is None else nn.WithLossCell(net, loss_fn())
+
+    def construct(self, *inputs):
+        half = len(inputs) // 2
+        return (self.loss(*inputs[:half]) + self.loss(*inputs[half:])) / 2
 
 
 def test_data_parallel_without_data_parallel_mode_ranks_diverge(stand_alone):

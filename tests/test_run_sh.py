@@ -482,6 +482,7 @@ def test_run_sh_check_fails_for_batch_norm(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "equivalence check: FAIL" in done.stdout and "likely cause: batch normalisation" in done.stdout
+    assert "valid tokens" not in done.stdout   # no label is ignore_index: batch normalisation is the one cause
     assert "run.sh: equivalence check FAILED" in done.stderr
 
 

@@ -184,9 +184,14 @@ def test_validation_batch_norm_is_warned_once_with_names_and_fix():
 
 
 def test_validation_no_warning_without_batch_norm_or_when_silenced():
+    # Dropout is not warned about (its masks under accumulation differ, equal in distribution), as the docstring says;
+    # BatchNorm is (the control, below).
+    assert "dropout draws other masks, equal in distribution, and is not" in " ".join(
+        GradAccumulationCell.__doc__.split())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GradAccumulationCell(nn.WithLossCell(make_mlp(), ce()), 4)
+        GradAccumulationCell(nn.WithLossCell(nn.SequentialCell(make_mlp(), nn.Dropout(p=0.3)), ce()), 4)
         GradAccumulationCell(nn.WithLossCell(_bn_net(), ce()), 1)          # one micro-batch: nothing differs
         warnings.filterwarnings("ignore", message=re.escape("GradAccumulationCell: the network has batch normal"))
         GradAccumulationCell(nn.WithLossCell(_bn_net(), ce()), 4)
@@ -365,3 +370,25 @@ def test_validation_fixed_batch_reshape_gets_the_micro_batch_context_in_graph_mo
     before = params_of(loss_net)
     step(x, y)
     assert_params_moved(params_of(loss_net), before)
+
+
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+def test_validation_error_the_plain_step_raises_too_gets_no_micro_batch_paragraph(mode):
+    # int64 labels into nn.CrossEntropyLoss: MindSpore refuses them for the full batch as well, so its message stands
+    # alone (nothing about the split, check_loss=False or shared_inputs). Control: the plain step raises the same.
+    ms.set_context(mode=mode)
+    rng = np.random.default_rng(0)
+    x, y = Tensor(rng.standard_normal((32, 16)).astype(np.float32)), Tensor(rng.integers(0, 4, 32).astype(np.int64))
+
+    def message(wrap):
+        net = _seeded(nn.Dense(16, 4), 0)
+        step = nn.TrainOneStepCell(wrap(nn.WithLossCell(net, nn.CrossEntropyLoss())), nn.SGD(net.trainable_params()))
+        with pytest.raises(TypeError) as caught:
+            step(x, y)
+        return str(caught.value)
+
+    accumulated, plain = message(lambda loss_net: GradAccumulationCell(loss_net, 4)), message(lambda loss_net: loss_net)
+    for text in (accumulated, plain):
+        assert "For 'CrossEntropyLoss', the 'labels' should be Int32, but got 'mindspore.int64'" in text, text[-2000:]
+    head = accumulated.split("C++ Call Stack")[0]
+    assert not any(word in head for word in ("micro-batch", "check_loss", "shared_inputs")), head
