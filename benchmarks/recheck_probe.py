@@ -39,7 +39,7 @@ def measure(model: str, batch: int, micro_size: int, steps: int) -> dict:
     from mindspore import nn, Tensor
     import worker   # pylint: disable=import-outside-toplevel
     from ms_gradaccum import GradAccumulationCell
-    from ms_gradaccum._contract import RECHECK_EVERY, check_due
+    from ms_gradaccum.diagnostics.contract import RECHECK_EVERY, check_due
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)

@@ -7,7 +7,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
-from ms_gradaccum._contract import PreparedCalls
+from ms_gradaccum.diagnostics.calls import CountedCalls, expect_first_compile
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, compiling_graph, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
@@ -99,7 +99,7 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
             f"bprop.")
 
 
-class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
+class GradAccumulationCell(CountedCalls, DataParallelParts, PrecisionNeutral):
     r"""
     Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
 
@@ -192,6 +192,7 @@ class GradAccumulationCell(PreparedCalls, DataParallelParts, PrecisionNeutral):
         self.compile_checks = CompileChecks(self)
         if parallel_mode() in PARALLEL_PASS_MODES:
             self._build_parallel_pass_part()   # now, so that Model finds its markers
+        expect_first_compile(self)
 
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (every call in PyNative mode): _mindspore.graph.CompileChecks."""

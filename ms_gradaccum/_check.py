@@ -15,7 +15,7 @@ import mindspore.dataset as ds
 from mindspore import nn
 
 from ms_gradaccum._cell import GradAccumulationCell
-from ms_gradaccum._contract import random_cells
+from ms_gradaccum.diagnostics.contract import random_cells
 from ms_gradaccum._validation import batch_norm_cells, check_positive_int
 
 _NAME = "check_equivalence"

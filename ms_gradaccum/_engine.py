@@ -15,15 +15,13 @@ from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._buffers import add_gradients, dtypes_match, zero_buffers
-from ms_gradaccum import _contract
-from ms_gradaccum._contract import ContractCheck
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
-from ms_gradaccum._mindspore import surroundings
-from ms_gradaccum._mindspore.patches import GRAPH_COMPILE, ZEROS_LIKE
+from ms_gradaccum._mindspore.patches import ZEROS_LIKE
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._tokens import TokenCounter, counting_view
 from ms_gradaccum._validation import readable, warn_batch_norm
+from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, input_kinds, input_names,
                                       micro_batch, partition, plan_inputs, split_batch)
 
@@ -155,13 +153,6 @@ class MicroBatchGradients(PrecisionNeutral):
     def __init__(self, network: nn.Cell, spec: LossSpec, overwrite: bool, targets: Callable, cls_name: str,
                  loss_scale: nn.Cell):
         super().__init__(auto_prefix=False)
-        # Around every graph compile: one discovery of the surroundings per cell, the engine's mark cleared, then the
-        # loss contract's eager pass; errors the network raises on a micro-batch say so (all three in _contract).
-        GRAPH_COMPILE.around(surroundings.around_compile)
-        GRAPH_COMPILE.around(_contract.clear_engine_mark)
-        GRAPH_COMPILE.around(_contract.around_compile)
-        GRAPH_COMPILE.decorate_errors(_contract.micro_batch_context)
-        GRAPH_COMPILE.install()
         micro_size = spec.micro_size
         self.scaled_loss = ScaledLoss(network, spec.kind, cls_name)
         self.contract = ContractCheck(self.scaled_loss, network, micro_size, spec.kind,
@@ -177,6 +168,7 @@ class MicroBatchGradients(PrecisionNeutral):
         self.owner_name = cls_name
         object.__setattr__(self, "_targets", targets)   # a bound method of the owner, not a child cell
         object.__setattr__(self, "_loss_scale", loss_scale)   # the owner's child, read here
+        object.__setattr__(self, "graph_built", False)   # set by a compile that builds its graph (diagnostics.calls)
 
     @compile_time
     def skips_non_finite(self) -> bool:
@@ -200,8 +192,9 @@ class MicroBatchGradients(PrecisionNeutral):
 
     @compile_time
     def buffers(self):
-        """Their ``accu_grads`` buffers, last first; reading them marks the compile under way (_failures)."""
-        _contract.note_engine(self)
+        """Their ``accu_grads`` buffers, last first; reading them marks the engine's graph built by the compile under
+        way (diagnostics.calls)."""
+        object.__setattr__(self, "graph_built", True)
         return ParameterTuple(self._targets()[1][::-1])
 
     @compile_time

@@ -260,7 +260,3 @@ def check_loss_dtype(cls_name: str, dtypes: tuple) -> None:
 def last_layout():
     """``(kinds, names, layout)`` of the inputs :func:`plan_inputs` last planned, or None (for _failures)."""
     return _LAST["layout"]
-
-
-def forget_layout() -> None:
-    _LAST["layout"] = None

@@ -10,7 +10,7 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum import _buffers, _window
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._cell import DataParallelParts, GradAccumulationCell, data_parallel_module
-from ms_gradaccum._contract import PreparedCalls
+from ms_gradaccum.diagnostics.calls import CountedCalls, expect_first_compile
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, discover, parallel_mode
@@ -26,7 +26,7 @@ _NAME = "AccumulatingTrainOneStepCell"
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)   # what scale_sense may be
 
 
-class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOneStepCell):
+class AccumulatingTrainOneStepCell(CountedCalls, DataParallelParts, nn.TrainOneStepCell):
     r"""
     A drop-in for ``nn.TrainOneStepCell`` that steps the optimizer once every `accumulate_steps` calls, each call's
     batch optionally split into `micro_size` micro-batches.
@@ -148,6 +148,7 @@ class AccumulatingTrainOneStepCell(PreparedCalls, DataParallelParts, nn.TrainOne
         object.__setattr__(self, "_kept_state", [])
         if self.state_under_optimizer:
             optimizer.insert_child_to_cell("grad_accumulation_state", StateUnderOptimizer(self.state()))
+        expect_first_compile(self)
 
     def state(self) -> list:
         """The Parameters of the window's state: its buffers, the window (``accu_state.*``), the loss scale, and what a

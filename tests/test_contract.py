@@ -10,8 +10,9 @@ import mindspore as ms
 import pytest
 from mindspore import nn, ops, Tensor
 
-from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, _eager
-from ms_gradaccum._contract import check_due
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
+from ms_gradaccum.diagnostics import eager as _eager
+from ms_gradaccum.diagnostics.contract import check_due
 from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
                      number_after, params_of, train_steps, update_ratios)
 

@@ -125,7 +125,7 @@ class GraphCompile(Patch):
                         around.enter_context(hook(args[0], args[1:]))
                     return original(*args, **kwargs)
             except Exception as error:
-                for decorate in decorators:
+                for decorate in (() if getattr(error, "ms_gradaccum_context", False) else decorators):
                     context = decorate(error, args)
                     if context is not None and error.args and isinstance(error.args[0], str):
                         with_context(error, context)
@@ -156,6 +156,7 @@ def with_context(error: Exception, context: str) -> None:
     """Puts `context` into `error`'s message after its first line (MindSpore's own), ahead of the stack MindSpore
     appends, where a reader sees it."""
     if error.args and isinstance(error.args[0], str):
+        error.ms_gradaccum_context = True
         head, sep, rest = error.args[0].partition("\n")
         error.args = (f"{head}\n\n{context}\n{sep}{rest}" if sep else f"{head}\n\n{context}",) + error.args[1:]
 

@@ -137,11 +137,6 @@ def one_walk():
         _SCOPES.pop()
 
 
-def around_compile(cell: nn.Cell, args: tuple):   # pylint: disable=unused-argument
-    """:func:`one_walk` around each compile of a cell (a hook of .patches.GRAPH_COMPILE)."""
-    return one_walk()
-
-
 def discover(cell: nn.Cell) -> Surroundings:
     """The surroundings of `cell`, walked once per compile or PyNative call (:func:`one_walk`); outside them each read
     walks."""

@@ -13,9 +13,7 @@ batch the step is called with, before its graph runs. Batch statistics and dropo
 Where the batch cannot be reached from Python (a train cell of one's own, a ``jit`` function, sink mode, dynamic
 shapes) or the network runs only in graph mode, the graph runs the pair's pass itself, on the same steps.
 """
-import contextlib
 import numbers
-import weakref
 from typing import Optional
 
 import numpy as np
@@ -26,11 +24,10 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._buffers import Unsaved
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
 from ms_gradaccum._mindspore.patches import with_context
-from ms_gradaccum._mindspore.surroundings import one_walk, parallel_mode
-from ms_gradaccum._eager import run_eagerly, runs_on
+from ms_gradaccum._mindspore.surroundings import parallel_mode
+from ms_gradaccum.diagnostics.eager import run_eagerly, runs_on
 from ms_gradaccum._loss_scale import PrecisionNeutral
-from ms_gradaccum._microbatch import (SPLIT, assemble, check_tensor_inputs, forget_layout, micro_batch_rows,
-                                      split_as_compiled)
+from ms_gradaccum._microbatch import SPLIT, assemble, micro_batch_rows, split_as_compiled
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
 # Relative tolerance of the comparison: float32 reductions in another order; float16 networks round far more.
@@ -86,7 +83,7 @@ def routes(kind) -> str:
 
 
 class ContractCheck(PrecisionNeutral):
-    """The check (see the module docstring). :meth:`prepared` runs it eagerly before a step's graph runs, on the steps
+    """The check (see the module docstring). :meth:`check_step` runs it eagerly before a step's graph runs, on the steps
     :func:`check_due` names; where it cannot run so, ``construct`` runs the pass on the pair inside the graph, on the
     same steps, and compares it with the loop's own tallies of the two micro-batches."""
 
@@ -105,7 +102,7 @@ class ContractCheck(PrecisionNeutral):
         # The steps the graph's own check has counted (0 while it has run none).
         self._graph_steps = Unsaved(Parameter(Tensor(0, mstype.int32), name="accu_state.loss_contract_step",
                                               requires_grad=False))
-        # Python state. `steps`: the steps prepared so far. `passed`: the eager check ran and held (graphs compiled
+        # Python state. `steps`: the steps counted so far. `passed`: the eager check ran and held (graphs compiled
         # later leave the in-graph check out). `failed`: the eager pass cannot run (the graph runs the pass itself).
         self.steps = 0
         self.passed = False
@@ -122,16 +119,20 @@ class ContractCheck(PrecisionNeutral):
         it has run by the time a graph compiles, or stopped)."""
         return self.enabled and not self.passed
 
-    @contextlib.contextmanager
-    def prepared(self, engine: nn.Cell, inputs: tuple):
-        """Before a step on `inputs` (the owner's; the batch) compiles or runs: the check, eagerly, on the steps
-        :func:`check_due` names, where it is on (it raises on a mismatch, before anything is compiled or updated).
-        Where it cannot run eagerly (a semi-auto/auto-parallel graph's global shapes, inputs without data, a network
-        that runs only in graph mode), the graph runs it."""
+    def count_step(self, engine: nn.Cell, inputs: tuple) -> None:
+        """A step on `inputs` (the owner's; the batch) is about to compile or run: counted, and on the steps
+        :func:`check_due` names the check runs first (:meth:`check_step`). The step counter of diagnostics.calls does
+        the same, inline."""
         self.steps += 1
-        if self.enabled and not self.failed and check_due(self.steps) and not self._graph_runs_it():
+        if check_due(self.steps):
+            self.check_step(engine, inputs)
+
+    def check_step(self, engine: nn.Cell, inputs: tuple) -> None:
+        """The check, eagerly, where it is on (it raises on a mismatch, before anything is compiled or updated). Where
+        it cannot run eagerly (a semi-auto/auto-parallel graph's global shapes, inputs without data, a network that runs
+        only in graph mode), the graph runs it."""
+        if self.enabled and not self.failed and not self._graph_runs_it():
             self._check_eagerly(engine, inputs)
-        yield
 
     def _graph_runs_it(self) -> bool:
         # Read from the graph's step counter (a device read, on the steps due only, until it has counted one).
@@ -161,7 +162,7 @@ class ContractCheck(PrecisionNeutral):
         return [(out[1], out[2]) for out in outputs], sizes, (split, shared, constants, layout)
 
     def _check_eagerly(self, engine: nn.Cell, inputs: tuple) -> None:
-        """The check on the eager passes (see :meth:`prepared`): raises on a mismatch, or leaves it to the graph where
+        """The check on the eager passes (see :meth:`check_step`): raises on a mismatch, or leaves it to the graph where
         the passes cannot run."""
         try:
             found = self._passes(engine, inputs)
@@ -199,7 +200,7 @@ class ContractCheck(PrecisionNeutral):
             # The pair's rows where its pass (the last) failed, else a micro-batch's.
             sizes = micro_batch_rows(split[0].shape[0], self.micro_size)
             pair_rows_run = sizes[0] + sizes[1] if getattr(error, "eager_call", None) == 2 else 0
-            from ms_gradaccum._failures import failure_context   # pylint: disable=import-outside-toplevel
+            from ms_gradaccum.diagnostics.failures import failure_context   # pylint: disable=import-outside-toplevel
             with_context(error, failure_context(self.owner_name, self.micro_size, engine, inputs, pair_rows_run))
             raise error
         # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with its
@@ -277,77 +278,3 @@ class ContractCheck(PrecisionNeutral):
     @compile_time
     def scaled_loss_cell(self) -> nn.Cell:
         return self._scaled_loss
-
-
-# The train cells whose construct hands its inputs, unchanged, to `self.network` (mindspore/nn/wrap/cell_wrapper.py,
-# loss_scale.py; checked 2.7.0-2.10.0): what Model builds around GradAccumulationCell, and hand-written loops use.
-# Exact types: a subclass may change the inputs.
-_PASS_THROUGH = (nn.TrainOneStepCell, nn.TrainOneStepWithLossScaleCell)
-
-
-def prepared_for(owner: nn.Cell, inputs: tuple):
-    """The eager pass of `owner` (a GradAccumulationCell or AccumulatingTrainOneStepCell) on its `inputs`, for the
-    duration (:meth:`ContractCheck.prepared`); nothing for another cell."""
-    engine = getattr(owner, "engine", None)
-    if engine is not None:
-        check_tensor_inputs(engine.owner_name, inputs)
-    contract = getattr(engine, "contract", None)
-    if isinstance(contract, ContractCheck):
-        return contract.prepared(engine, inputs)
-    return contextlib.nullcontext()
-
-
-class PreparedCalls:
-    """Mixed into the package cells (before ``nn.Cell``): in PyNative mode each call runs the loss contract's eager pass
-    on its batch first and finds the cell's surroundings once (in graph mode both happen where the graph compiles,
-    :func:`around_compile` and ``surroundings.around_compile``)."""
-
-    def __call__(self, *args, **kwargs):
-        if ms.get_context("mode") == ms.PYNATIVE_MODE:
-            with prepared_for(self, args), one_walk():
-                return super().__call__(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
-
-
-def inner_cell(cell: nn.Cell) -> nn.Cell:
-    """The cell whose inputs are `cell`'s own: the network of a pass-through train cell, else `cell` itself."""
-    if type(cell) in _PASS_THROUGH:   # pylint: disable=unidiomatic-typecheck
-        return getattr(cell, "network", None)
-    return cell
-
-
-def around_compile(cell: nn.Cell, args: tuple):
-    """Around the graph executor's compile of `cell` on `args` (called each time a cell is called in graph mode, with
-    the call's inputs): the eager pass of the package cell compiled as the outermost, or of the one a pass-through
-    train cell wraps."""
-    if ms.get_context("mode") != ms.GRAPH_MODE:
-        return contextlib.nullcontext()   # PyNative mode: the package cells prepare when called (their __call__)
-    return prepared_for(inner_cell(cell), args)
-
-
-# --- Errors the network raises on a micro-batch say so (_failures, imported when a compile fails) ---------------------
-# The engine whose graph the compile under way built, if any: each compile clears the mark, building an engine's graph
-# sets it, and _failures reads it.
-_NOTED = {"engine": None}
-
-
-def note_engine(engine: nn.Cell) -> None:
-    """Marks the compile under way as one that builds `engine`'s micro-batch graph."""
-    _NOTED["engine"] = weakref.ref(engine)
-
-
-@contextlib.contextmanager
-def clear_engine_mark(cell: nn.Cell, args: tuple):   # pylint: disable=unused-argument
-    """Clears the engine's mark at the start of each compile (a graph found cached builds nothing and notes nothing)."""
-    _NOTED["engine"] = None
-    forget_layout()
-    yield
-
-
-def micro_batch_context(error: Exception, args: tuple) -> Optional[str]:
-    """What to add to `error`, raised by the graph executor's compile of ``args[0]`` on ``args[1:]`` (_failures)."""
-    noted = _NOTED["engine"]
-    if noted is None or not args:
-        return None
-    from ms_gradaccum import _failures   # pylint: disable=import-outside-toplevel
-    return _failures.micro_batch_context(error, inner_cell(args[0]), args[1:], noted())

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 from mindspore import nn
 
-from ms_gradaccum._eager import runs_on
+from ms_gradaccum.diagnostics.eager import runs_on
 from ms_gradaccum._microbatch import (SPLIT, assemble, input_kinds, last_layout, micro_batch_rows, plan,
                                       split_as_compiled)
 
