@@ -11,7 +11,7 @@ from ms_gradaccum._scheduler import GradAccumulationScheduler as GradAccumulatio
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell as AccumulatingTrainOneStepCell
 from ms_gradaccum._token_sum import token_sum_loss as token_sum_loss
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = ["AccumulatingTrainOneStepCell", "EquivalenceReport", "GradAccumulationCell", "GradAccumulationScheduler",
            "LossKind", "RowMean", "RowSum", "TokenMean", "__version__", "check_equivalence", "token_sum_loss"]

@@ -11,14 +11,14 @@ from ms_gradaccum.diagnostics.calls import CountedCalls, expect_first_compile
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, compiling_graph, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
-from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, TrainGradAccuStepCell, discover,
-                                                  parallel_mode)
+from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, FoundOnce, Surroundings,
+                                                  TrainGradAccuStepCell, parallel_mode)
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._kinds import LossKind
 from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._tokens import recognised
 from ms_gradaccum._validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
-                                      foreign_optimizer_error, no_trained_weights_error)
+                                      foreign_optimizer_error, no_trained_weights_error, weights_required_error)
 
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
@@ -67,10 +67,10 @@ class DataParallelParts:
             self.kind, self.engine.owner_name))
 
 
-def check_loss_inside(cell: nn.Cell) -> None:
-    """Refuses a cell whose output another cell turns into the loss (``Model(cell, loss_fn=...)``): it would get the
-    data without its labels."""
-    wrapper = discover(cell).loss_wrapper
+def check_loss_inside(found: Surroundings) -> None:
+    """Refuses a cell whose output another cell turns into the loss (``Model(cell, loss_fn=...)``; `found`: its
+    surroundings): it would get the data without its labels."""
+    wrapper = found.loss_wrapper
     if wrapper is not None:
         raise ValueError(
             f"For '{_NAME}', the loss must be computed inside the cell, but it is the backbone of "
@@ -81,9 +81,10 @@ def check_loss_inside(cell: nn.Cell) -> None:
 
 
 def check_bprops(network: nn.Cell, micro_size: int) -> None:
-    """When a graph compiles: autodiff gets a zeros_like of its own, so that bprops calling ``ops.zeros_like``
-    (MindFormers' loss cells) compile in the nested gradient (_mindspore.patches); else such a network is refused."""
-    if AUTODIFF_ZEROS_LIKE.install():
+    """Autodiff gets a zeros_like of its own, so that bprops calling ``ops.zeros_like`` (MindFormers' loss cells)
+    compile in the nested gradient (_mindspore.patches); where it cannot, such a network is refused when a graph
+    compiles."""
+    if AUTODIFF_ZEROS_LIKE.install() or not compiling_graph():
         return
     from ms_gradaccum._mindspore.bprops import bprops_calling_zeros_like   # pylint: disable=import-outside-toplevel
     cells = bprops_calling_zeros_like(network)
@@ -99,7 +100,7 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
             f"bprop.")
 
 
-class GradAccumulationCell(CountedCalls, DataParallelParts, PrecisionNeutral):
+class GradAccumulationCell(CountedCalls, FoundOnce, DataParallelParts, PrecisionNeutral):
     r"""
     Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
 
@@ -177,7 +178,7 @@ class GradAccumulationCell(CountedCalls, DataParallelParts, PrecisionNeutral):
         # The spec's fields by name, for the graph and for readers (constants: the spec is frozen).
         self.micro_size, self.kind, self.shared_inputs = spec.micro_size, spec.kind, spec.shared_inputs
         self.per_token_loss, self.reduction, self.min_count = spec.per_token_loss, spec.reduction, spec.min_count
-        self.declared_per_token_loss, self.check_loss = spec.declared, spec.check_loss
+        self.check_loss = spec.check_loss
         self.explicit_loss_scale = loss_scale is not None
         self.loss_scale = scale
         object.__setattr__(self, "_explicit_weights", weights)   # a plain tuple: the weights stay the network's
@@ -196,10 +197,11 @@ class GradAccumulationCell(CountedCalls, DataParallelParts, PrecisionNeutral):
 
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (every call in PyNative mode): _mindspore.graph.CompileChecks."""
+        found = self.find_surroundings()
         if self.data_parallel:
             data_parallel_module().check_data_parallel_ready(_NAME)
-        check_loss_inside(self)
-        wrapper = discover(self).train_cell
+        check_loss_inside(found)
+        wrapper = found.train_cell
         if self.parallel_pass:
             _parallel_pass().check_parallel_pass_arguments(self.explicit_loss_scale, self.kind, self.shared_inputs)
             # _TrainGradAccuStepCell makes accu_grads.<weight> buffers of its own: ours (from an earlier stand-alone
@@ -212,14 +214,17 @@ class GradAccumulationCell(CountedCalls, DataParallelParts, PrecisionNeutral):
                 f"for semi-auto/auto parallel, but the graph compiles in {parallel_mode()} mode, where nothing would "
                 f"fill its buffers (it would train nothing). Keep the same parallel mode (or AutoParallel) for "
                 f"Model(...) and model.train(...).")
-        if not self._trained_weights():
-            raise foreign_optimizer_error(_NAME, self.network, discover(self).optimizer) or \
+        if found.optimizer is None and self._explicit_weights is None:
+            frozen = [param.name for param in self.network.get_parameters() if not param.requires_grad]
+            if frozen:
+                raise weights_required_error(_NAME, self.network, frozen)
+        if not self._trained_weights(found):
+            raise foreign_optimizer_error(_NAME, self.network, found.optimizer) or \
                 no_trained_weights_error(_NAME, self.network)
         if self._explicit_weights is not None:
-            self._check_explicit_weights()
-        if compiling_graph():
-            check_bprops(self.network, self.micro_size)
-        self._resolve()
+            self._check_explicit_weights(found)
+        check_bprops(self.network, self.micro_size)
+        self._resolve(found)
         self.loss_scale.check()
 
     @property
@@ -239,7 +244,7 @@ class GradAccumulationCell(CountedCalls, DataParallelParts, PrecisionNeutral):
 
     def _build_parallel_pass_part(self) -> nn.Cell:
         return child_on_first_read(self, "parallel_pass_part", lambda: _parallel_pass().ParallelPassAccumulation(
-            self.network, self.micro_size))
+            self.network, self.micro_size, self))
 
     @compile_time
     def parallel_pass(self) -> bool:
@@ -247,9 +252,9 @@ class GradAccumulationCell(CountedCalls, DataParallelParts, PrecisionNeutral):
         when the graph compiles (``AutoParallel`` sets the mode only then)."""
         return parallel_mode() in PARALLEL_PASS_MODES
 
-    def _check_explicit_weights(self) -> None:
+    def _check_explicit_weights(self, found: Surroundings) -> None:
         """Refuses `weights` that leave out a weight of the network the wrapping optimizer updates (a zero gradient)."""
-        optimizer = discover(self).optimizer
+        optimizer = found.optimizer
         if optimizer is None:
             return
         given = {id(weight) for weight in self._explicit_weights}
@@ -262,28 +267,21 @@ class GradAccumulationCell(CountedCalls, DataParallelParts, PrecisionNeutral):
                 f" ({len(left_out)} in all), which would get a zero gradient. Pass weights=optimizer.parameters, or "
                 f"build the optimizer over the weights you pass.")
 
-    def _trained_weights(self) -> list:
-        """`weights` when given. Otherwise the weights the wrapping train cell differentiates (its optimizer's);
-        without one, the ``weights`` of the ``mindspore.value_and_grad``/``grad`` call differentiating this cell; else
-        those with ``requires_grad=True``."""
+    def _trained_weights(self, found: Optional[Surroundings]) -> list:
+        """`weights` when given; otherwise the weights the wrapping train cell differentiates (its optimizer's, `found`
+        around the cell); without one (and before the first compile), those with ``requires_grad=True``: every weight,
+        since a network with frozen ones needs `weights` there (check_at_compile)."""
         if self._explicit_weights is not None:
             return list(self._explicit_weights)
-        surroundings = discover(self)
-        optimizer = surroundings.optimizer
-        if optimizer is not None:
-            differentiated = optimizer.parameters
-        else:   # a mindspore.grad call's weights (imported only here)
-            from ms_gradaccum._mindspore.grad_calls import differentiated as of_grad_call  # pylint: disable=C0415
-            differentiated = of_grad_call(surroundings.grad_call)
-        if differentiated is None:
+        if found is None or found.optimizer is None:
             return self.network.trainable_params()
-        trained = {id(weight) for weight in differentiated}
+        trained = {id(weight) for weight in found.optimizer.parameters}
         return [param for param in self.network.get_parameters() if id(param) in trained]
 
-    def _resolve(self) -> None:
+    def _resolve(self, found: Surroundings) -> None:
         """Resolves the trained weights and their buffers (created when needed, dropped when unused) once per compile,
         in this cell's graph, where the train cell is visible; the attributes below and the engine only read it."""
-        weights = self._trained_weights() or list(self.network.get_parameters())
+        weights = self._trained_weights(found) or list(self.network.get_parameters())
         resolved = (ParameterTuple(weights), self.gradient_buffers.for_weights(weights))
         object.__setattr__(self, "_resolved", resolved)   # not a Cell attribute: nothing is registered
 
@@ -291,7 +289,7 @@ class GradAccumulationCell(CountedCalls, DataParallelParts, PrecisionNeutral):
         """``(weights, buffers)`` as last resolved; before the first compile, the weights that would be trained."""
         resolved = self.__dict__.get("_resolved")
         if resolved is None:
-            return (ParameterTuple(self._trained_weights()),
+            return (ParameterTuple(self._trained_weights(None)),
                     ParameterTuple(list(self.gradient_buffers.get_parameters())))
         return resolved
 

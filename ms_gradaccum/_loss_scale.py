@@ -17,7 +17,7 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time
-from ms_gradaccum._mindspore.surroundings import PRECISION_FLAGS, applied_sens, discover
+from ms_gradaccum._mindspore.surroundings import PRECISION_FLAGS, applied_sens, surroundings_of
 from ms_gradaccum._validation import argument_error, computes_in_float16
 
 SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
@@ -117,16 +117,16 @@ class WrapperScale(LossScale):
 
     @compile_time
     def skips_non_finite(self) -> bool:
-        return isinstance(discover(self._owner()).train_cell, nn.TrainOneStepWithLossScaleCell)
+        return isinstance(surroundings_of(self._owner()).train_cell, nn.TrainOneStepWithLossScaleCell)
 
     @compile_time
     def value(self) -> float:
-        wrapper = discover(self._owner()).train_cell
+        wrapper = surroundings_of(self._owner()).train_cell
         scale = 1.0 if wrapper is None else applied_sens(wrapper)
         return 1.0 if scale is None else scale
 
     def check(self) -> None:
-        wrapper = discover(self._owner()).train_cell
+        wrapper = surroundings_of(self._owner()).train_cell
         scale = 1.0 if wrapper is None else applied_sens(wrapper)
         if scale is None:
             raise ValueError(

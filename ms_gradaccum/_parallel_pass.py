@@ -6,6 +6,8 @@ compiler pass accumulates into its ``accu_grads`` buffers, reading the marks of
 the mean loss and the loss scale is not lost on the way. Imported only in those modes: a stand-alone or data-parallel
 step never reads this module.
 """
+import weakref
+
 from mindspore import nn, ops
 from mindspore.common import dtype as mstype
 # Marks micro-batch slices (`grad_accu_num`) and forward ends (`forward_end`) for the parallel pass; only the pass
@@ -14,7 +16,7 @@ from mindspore.parallel.nn import GradAccumulation
 
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.parallel import batch_axis_splits, scale_left_out
-from ms_gradaccum._mindspore.surroundings import discover, parallel_mode
+from ms_gradaccum._mindspore.surroundings import parallel_mode, surroundings_of
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import input_kinds
 
@@ -95,15 +97,16 @@ class ParallelPassAccumulation(PrecisionNeutral):
     and by 1 otherwise (:func:`~ms_gradaccum._mindspore.parallel.scale_left_out`).
     """
 
-    def __init__(self, network: nn.Cell, micro_size: int):
+    def __init__(self, network: nn.Cell, micro_size: int, owner: nn.Cell):
         super().__init__(auto_prefix=False)
+        object.__setattr__(self, "_owner", weakref.ref(owner))   # the GradAccumulationCell: its surroundings
         self.markers = ParallelPassMarkers(network, micro_size)
         self.micro_size = micro_size
 
     @compile_time
     def left_out_scale(self) -> float:
         """The optimizer's loss_scale when the wrapper never applies it, else 1 (read when the graph compiles)."""
-        return scale_left_out(discover(self).train_cell)
+        return scale_left_out(surroundings_of(self._owner()).train_cell)
 
     @compile_time
     def batch_splits(self) -> tuple:

@@ -13,7 +13,7 @@ from ms_gradaccum._cell import DataParallelParts, GradAccumulationCell, data_par
 from ms_gradaccum.diagnostics.calls import CountedCalls, expect_first_compile
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
-from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, discover, parallel_mode
+from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, FoundOnce, parallel_mode
 from ms_gradaccum._kinds import LossKind, LossSpec, RowMean
 from ms_gradaccum._loss_scale import SCALE_EXPECTED, LiveScale, LossScale, check_scale_value
 from ms_gradaccum._tokens import recognised
@@ -26,7 +26,7 @@ _NAME = "AccumulatingTrainOneStepCell"
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)   # what scale_sense may be
 
 
-class AccumulatingTrainOneStepCell(CountedCalls, DataParallelParts, nn.TrainOneStepCell):
+class AccumulatingTrainOneStepCell(CountedCalls, FoundOnce, DataParallelParts, nn.TrainOneStepCell):
     r"""
     A drop-in for ``nn.TrainOneStepCell`` that steps the optimizer once every `accumulate_steps` calls, each call's
     batch optionally split into `micro_size` micro-batches.
@@ -192,6 +192,7 @@ class AccumulatingTrainOneStepCell(CountedCalls, DataParallelParts, nn.TrainOneS
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see
         _mindspore.graph.CompileChecks."""
+        found = self.find_surroundings()
         if self.data_parallel:
             data_parallel_module().check_data_parallel_ready(_NAME)
         if parallel_mode() in PARALLEL_PASS_MODES:
@@ -199,14 +200,14 @@ class AccumulatingTrainOneStepCell(CountedCalls, DataParallelParts, nn.TrainOneS
                 f"For '{_NAME}', semi-auto/auto parallel is not supported: there MindSpore's parallel pass does the "
                 f"accumulation and shards its buffers. Train Model(GradAccumulationCell(loss_net, micro_size), "
                 f"optimizer=...) instead (under set_auto_parallel_context or AutoParallel).")
-        outer = discover(self).optimizer
+        outer = found.optimizer
         if outer is not None:
             raise ValueError(
                 f"For '{_NAME}', the cell is a train cell with its own optimizer, but it is wrapped in another cell "
                 f"that holds an optimizer too (Model(cell, optimizer=...) builds one), which would apply a second, "
                 f"zero update. Train it as Model({_NAME}(...)) without optimizer=, or call it directly.")
         self.loss_scale.check()
-        self.window.warn_if_left_open(type(self).__name__, lambda: discover(self).under_model)
+        self.window.warn_if_left_open(type(self).__name__, lambda: found.under_model)
 
     def _targets(self) -> tuple:
         """``(weights, buffers)``: the optimizer's parameters, as for nn.TrainOneStepCell, and their buffers."""

@@ -181,6 +181,17 @@ def no_trained_weights_error(cls_name: str, network: nn.Cell) -> ValueError:
         f"Accumulating gradients of nothing would silently train nothing.")
 
 
+def weights_required_error(cls_name: str, network: nn.Cell, frozen: list) -> ValueError:
+    """The error for a graph compiled with no optimizer around the cell, no `weights`, and `frozen` parameters."""
+    shown = ", ".join(frozen[:5]) + (", ..." if len(frozen) > 5 else "")
+    return ValueError(
+        f"For '{cls_name}', the argument 'weights' is required where no optimizer is around the cell (a functional "
+        f"loop with mindspore.value_and_grad or mindspore.grad) and the network has parameters with "
+        f"requires_grad=False ({shown}; {len(frozen)} in all), but it is None: value_and_grad differentiates such a "
+        f"parameter when it is among its weights, and only you can say whether it is. Pass the weights you give "
+        f"value_and_grad: {cls_name}({type(network).__name__}(...), micro_size, weights=optimizer.parameters).")
+
+
 def computes_in_float16(network: nn.Cell) -> bool:
     """Whether `network` computes in float16: ``to_float(float16)`` anywhere in it (what ``amp_level`` O2/O3 and
     ``Cell.to_float`` set), an amp strategy in float16 (``amp_level="auto"``), or float16 weights. Not bfloat16,

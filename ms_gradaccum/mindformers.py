@@ -156,7 +156,7 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
         def __init__(self, network, optimizer, **given):
             cls.__init__(self, network, optimizer, **{**preset, **given})
 
-        return type(cls.__name__, (cls,), {"__init__": __init__, "preset_keys": preset, "__module__": __name__,
+        return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": __name__,
                                            "__doc__": f"{cls.__name__} with the keys {preset}."})
 
     def construct(self, *inputs):

@@ -61,6 +61,8 @@ COSTLIEST_FIRST = ("test_run_sh.py", "test_bench.py", "test_contract.py", "test_
                    "test_overflow.py", "test_inputs.py", "test_kinds.py", "test_validation.py", "test_clipping.py")
 
 
+# pytest-xdist's hook, optional: without pytest-xdist the suite collects (-p no:xdist -o addopts="").
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """How many workers ``-n auto`` (pyproject.toml) starts: pytest-xdist's own count (one per core) and one more, up
     to ``--maxprocesses``. The worker that runs ``test_run_sh.py`` spends 12 min mostly waiting on its jobs (a 2-rank

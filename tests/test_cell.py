@@ -156,7 +156,8 @@ def test_cell_output_is_mean_micro_batch_loss_and_gradient_is_mean_gradient():
     x, y = classification_batches(1, BATCH)[0]
     ref_loss_net = nn.WithLossCell(make_mlp(), ce())
     ref_loss, ref_grads = ms.value_and_grad(ref_loss_net, None, ref_loss_net.trainable_params())(Tensor(x), Tensor(y))
-    cell = GradAccumulationCell(nn.WithLossCell(make_mlp(), ce()), 8)
+    loss_net = nn.WithLossCell(make_mlp(), ce())
+    cell = GradAccumulationCell(loss_net, 8, weights=loss_net.trainable_params())
     loss, grads = ms.value_and_grad(cell, None, cell.trainable_params())(Tensor(x), Tensor(y))
     assert loss.shape == () and loss.dtype == ms.float32
     np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy(), rtol=1e-6)

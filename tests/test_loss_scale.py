@@ -100,8 +100,9 @@ def test_loss_scale_model_refuses_dropping_manager_on_cpu():
 @pytest.mark.slow
 def test_loss_scale_functional_style_with_explicit_scale():
     initial = params_of(low_precision_mlp())
-    expected = _functional_run(lambda loss_net, scaler: loss_net)
-    actual = _functional_run(lambda loss_net, scaler: GradAccumulationCell(loss_net, K, loss_scale=scaler.scale_value))
+    expected = _functional_run(lambda loss_net, scaler, weights: loss_net)
+    actual = _functional_run(lambda loss_net, scaler, weights: GradAccumulationCell(
+            loss_net, K, loss_scale=scaler.scale_value, weights=weights))
     assert_same_update(actual, expected, initial)
 
 
@@ -223,10 +224,11 @@ def test_loss_scale_bad_cell_loss_scale_rejected(loss_scale, error, message):
 # --- float16 without a loss scale is warned -----------------------------------------------------------------------
 
 def _functional_run(network_of):
-    """MindSpore's functional mixed-precision recipe: value_and_grad of scaler.scale(loss), then unscale."""
+    """MindSpore's functional mixed-precision recipe: value_and_grad of scaler.scale(loss), then unscale (`network_of`
+    gets the loss network, the scaler and the differentiated weights)."""
     scaler = ms.amp.StaticLossScaler(SCALE)
     net = low_precision_mlp()
-    loss_net = network_of(nn.WithLossCell(net, SmallLoss()), scaler)
+    loss_net = network_of(nn.WithLossCell(net, SmallLoss()), scaler, net.trainable_params())
 
     def scaled_loss(x, y):
         return scaler.scale(loss_net(x, y))
@@ -249,7 +251,7 @@ def test_loss_scale_float16_without_a_scale_warns_once_with_the_fix(mode):
     ms.set_context(mode=mode)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        actual = _functional_run(lambda loss_net, scaler: GradAccumulationCell(loss_net, K))
+        actual = _functional_run(lambda loss_net, scaler, weights: GradAccumulationCell(loss_net, K, weights=weights))
     messages = _float16_warnings(record)
     assert len(messages) == 1, messages
     assert messages[0].startswith("GradAccumulationCell: the network computes in float16, but no loss scale reaches "
@@ -266,7 +268,8 @@ def test_loss_scale_no_float16_warning_when_a_scale_arrives_or_float32(case):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         if case == "loss_scale":
-            _functional_run(lambda loss_net, scaler: GradAccumulationCell(loss_net, K, loss_scale=scaler.scale_value))
+            _functional_run(lambda loss_net, scaler, weights: GradAccumulationCell(
+            loss_net, K, loss_scale=scaler.scale_value, weights=weights))
         elif case == "float32":
             net = make_mlp()
             _hand_built(GradAccumulationCell(nn.WithLossCell(net, SmallLoss()), K), net, 1.0)

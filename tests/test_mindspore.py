@@ -14,7 +14,7 @@ import pytest
 from mindspore import nn, Parameter, Tensor
 
 from ms_gradaccum import _buffers, _parallel_pass, _window
-from ms_gradaccum._mindspore import grad_calls, graph, surroundings, version
+from ms_gradaccum._mindspore import graph, surroundings, version
 from launch import repo_env
 
 pytestmark = pytest.mark.lowest
@@ -180,34 +180,12 @@ def test_mindspore_enclosing_cells_found_from_the_stack():
     assert surroundings.discover(inner).train_cell is None and surroundings.discover(inner).optimizer is None
 
 
-def test_mindspore_differentiated_weights_found_from_the_grad_call():
-    # PyNative: value_and_grad's after_grad frame is on the stack while the function runs.
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    try:
-        dense = nn.Dense(2, 1)
-        weights = [dense.weight]
-        seen = []
-
-        def forward(x):
-            seen.append(grad_calls.differentiated_weights())
-            return dense(x).sum()
-
-        ms.value_and_grad(forward, None, weights)(Tensor(np.ones((1, 2), np.float32)))
-        assert seen and seen[0] == weights and seen[0][0] is dense.weight
-        # Gradients with respect to the inputs only: no weights; and outside any grad call, nothing.
-        seen.clear()
-        ms.value_and_grad(forward, 0)(Tensor(np.ones((1, 2), np.float32)))
-        assert seen == [None]
-        assert grad_calls.differentiated_weights() is None
-    finally:
-        ms.set_context(mode=ms.GRAPH_MODE)
-
-
 # --- the patches: each undone by its uninstall() ------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_mindspore_patches_uninstall_restores_mindspore_and_plain_training_is_unchanged():
-    # In a fresh process: train through GradAccumulationCell (both patches installed), uninstall them, and find
+    # In a fresh process: train through GradAccumulationCell (the compile hook installed from its construction to its
+    # first compile, and removed by itself after it; autodiff's zeros_like kept), uninstall the patches, and find
     # MindSpore's own objects back; a plain train cell trains bit-identically before the patches and after their undo.
     code = """
 import numpy as np, mindspore as ms
@@ -228,6 +206,7 @@ before = plain()
 from ms_gradaccum import GradAccumulationCell
 net = make_mlp()
 step = nn.TrainOneStepCell(GradAccumulationCell(ZerosLikeLoss(net), 4), make_optimizer("sgd", net.trainable_params()))
+print("built:", GRAPH_COMPILE.installed, CELL_GRAPH_EXECUTOR.compile == compile_graph)
 train_steps(step, classification_batches(1, 32))
 print("installed:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed, zeros_like_impl.F is functional,
       CELL_GRAPH_EXECUTOR.compile == compile_graph)
@@ -243,7 +222,8 @@ print("plain:", "bit-identical" if all(np.array_equal(before[k], after[k]) for k
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
                           env=repo_env(GLOG_v="3"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "installed: True True False False" in done.stdout, done.stdout   # control: the patches were in place
+    assert "built: True False" in done.stdout, done.stdout   # control: the compile hook was in place until the compile
+    assert "installed: True False False True" in done.stdout, done.stdout   # ... and removed by itself after it
     assert "uninstalled: False False True True False" in done.stdout, done.stdout
     assert "plain: bit-identical" in done.stdout, done.stdout
 
@@ -317,9 +297,9 @@ def test_mindspore_package_has_no_import_cycle():
     assert len(graph) > 10 and any(graph.values())   # control: the graph was read
 
 
-def test_mindspore_discovery_keeps_no_description_of_a_cell():
-    # The surroundings are found again at every read and held nowhere: a module-level table of them (even keyed weakly
-    # by the cell) kept every compiled cell alive through the train cell its description holds.
+def test_mindspore_discovery_is_kept_on_the_cell_only():
+    # The surroundings a compile found are kept on the package cell (FoundOnce) and nowhere else: a module-level table
+    # of them (even keyed weakly by the cell) kept every compiled cell alive through the train cell it holds.
     import gc   # pylint: disable=import-outside-toplevel
     from ms_gradaccum import GradAccumulationCell   # pylint: disable=import-outside-toplevel
     from helpers import ce, classification_batches, make_mlp, make_optimizer   # pylint: disable=import-outside-toplevel
@@ -329,22 +309,26 @@ def test_mindspore_discovery_keeps_no_description_of_a_cell():
     x, y = classification_batches(1, 32)[0]
     step(Tensor(x), Tensor(y))
     gc.collect()
+    kept = cell.__dict__["surroundings"]
+    assert kept.train_cell is step and kept.optimizer is step.optimizer   # control: what the compile found
     held = [obj for obj in gc.get_objects() if type(obj) is surroundings.Surroundings]  # weak proxies: no isinstance
-    assert not held, held
-    # Control: a description is what discover returns (outside a compile: nothing around the cell).
-    assert surroundings.discover(cell) == surroundings.Surroundings(None, None, None, None, False)
+    for found in held:
+        holders = [ref for ref in gc.get_referrers(found) if isinstance(ref, dict)]
+        assert holders and all(isinstance(holder.get("surroundings"), surroundings.Surroundings) and
+                               holder.get("_cells") is not None for holder in holders), holders
+    # Outside a compile, a description is what discover returns (nothing around the cell).
+    assert surroundings.discover(cell) == surroundings.Surroundings(None, None, None, False)
 
 
 @pytest.mark.parametrize("mode", ["graph", "pynative"])
 def test_mindspore_discovery_walks_once_per_compile_or_pynative_call(monkeypatch, mode):
-    # Every read during one graph compile (or one PyNative call) gets the description of one walk of the stack: the
-    # compile checks, the loss scale, the trained weights and the optimizer check all read it (17 walks per compile
-    # before, 6 per PyNative call).
+    # One walk of the stack per compile, at its start (PyNative: on the first call only), handed to the compile checks,
+    # the loss scale, the trained weights and the optimizer check (17 walks per compile before, 6 per PyNative call).
     from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # pylint: disable=import-outside-toplevel
     from helpers import ce, classification_batches, make_mlp, make_optimizer   # pylint: disable=import-outside-toplevel
     walks = []
-    walk = surroundings._walk  # pylint: disable=protected-access
-    monkeypatch.setattr(surroundings, "_walk", lambda cell: walks.append(type(cell).__name__) or walk(cell))
+    walk = surroundings.discover
+    monkeypatch.setattr(surroundings, "discover", lambda cell: walks.append(type(cell).__name__) or walk(cell))
     x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     try:
@@ -353,15 +337,15 @@ def test_mindspore_discovery_walks_once_per_compile_or_pynative_call(monkeypatch
         step = nn.TrainOneStepCell(cell, make_optimizer("sgd", net.trainable_params()))
         step(x, y)
         assert walks == ["GradAccumulationCell"]
-        step(x, y)   # graph mode: the compiled graph runs, nothing is found again; PyNative: one walk per call
-        assert walks == ["GradAccumulationCell"] * (1 if mode == "graph" else 2)
+        step(x, y)   # graph mode: the compiled graph runs; PyNative: found on the first call; nothing is found again
+        assert walks == ["GradAccumulationCell"]
         walks.clear()
         net = make_mlp()
         AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()), 2)(x, y)
         assert walks == ["AccumulatingTrainOneStepCell"]
     finally:
         ms.set_context(mode=ms.GRAPH_MODE)
-    # Control: outside a compile or a call, every read walks (and finds nothing around the cell).
+    # Control: discover itself walks at every read (and outside a compile finds nothing around the cell).
     walks.clear()
     assert surroundings.discover(cell).train_cell is None and surroundings.discover(cell).train_cell is None
     assert walks == ["GradAccumulationCell"] * 2
@@ -385,19 +369,20 @@ def test_mindspore_frames_are_read_in_one_function():
                     if names & {"_getframe", "f_back", "currentframe"}:
                         readers.append(f"{os.path.relpath(path, package)}::{function.name}")
     assert readers == [os.path.join("_mindspore", "surroundings.py") + "::read_stack"], readers
-    # Control: what the reads found is still found (a grad call's weights, a jit compile, none outside).
+    # Control: what the reads found is still found (the cells being called, no jit compile, not under Model).
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
         dense = nn.Dense(2, 1)
         seen = []
 
-        def forward(x):
-            stack = surroundings.read_stack()
-            seen.append((grad_calls.differentiated(stack.grad_call), stack.compiling_jit, stack.under_model))
-            return dense(x).sum()
+        class Probe(nn.Cell):
+            def construct(self, x):
+                stack = surroundings.read_stack()
+                seen.append((self in stack.cells, stack.compiling_jit, stack.under_model))
+                return dense(x).sum()
 
-        ms.value_and_grad(forward, None, [dense.weight])(Tensor(np.ones((1, 2), np.float32)))
-        assert seen[0][0][0] is dense.weight and seen[0][1:] == (False, False)
+        ms.value_and_grad(Probe(), None, [dense.weight])(Tensor(np.ones((1, 2), np.float32)))
+        assert seen[0] == (True, False, False)
         assert not graph.compiling_graph()
     finally:
         ms.set_context(mode=ms.GRAPH_MODE)

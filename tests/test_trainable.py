@@ -194,8 +194,8 @@ def _functional_with_frozen_in_weights(wrap, style):
     global _GLOBAL_GRAD_FN  # pylint: disable=global-statement
     net = make_mlp()
     _set_first_layer(net, False)
-    loss_net = wrap(nn.WithLossCell(net, ce()))
     opt = make_optimizer("momentum", net.get_parameters())
+    loss_net = wrap(nn.WithLossCell(net, ce()), opt)
 
     def forward(x, y):
         return loss_net(x, y)
@@ -225,22 +225,23 @@ def _functional_with_frozen_in_weights(wrap, style):
 @pytest.mark.lowest
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
 @pytest.mark.parametrize("style", ["cell", "forward_fn", "jit_closure", "jit_global", "jit_helper"])
-def test_trainable_functional_weights_are_followed_including_frozen_ones(style, mode, monkeypatch):
-    # Without a train cell, the weights are those of the value_and_grad call (found on the stack:
-    # _mindspore.surroundings).
+def test_trainable_functional_weights_are_followed_including_frozen_ones(style, mode):
+    # Without a train cell, the weights are those passed (weights=), as to value_and_grad.
     ms.set_context(mode=mode)
-    expected = _functional_with_frozen_in_weights(lambda loss_net: loss_net, style)
-    actual = _functional_with_frozen_in_weights(lambda loss_net: GradAccumulationCell(loss_net, K), style)
+    expected = _functional_with_frozen_in_weights(lambda loss_net, opt: loss_net, style)
+    actual = _functional_with_frozen_in_weights(
+        lambda loss_net, opt: GradAccumulationCell(loss_net, K, weights=opt.parameters), style)
     assert_params_close(actual, expected, **TOLERANCE)
     initial = _all_params(make_mlp())
     first_moved = max_abs_diff({n: expected[n] for n in FIRST}, {n: initial[n] for n in FIRST}) > 1e-3
     # Graph mode differentiates the frozen layer; PyNative mode does not, unless inside ms.jit.
     assert first_moved == (mode == ms.GRAPH_MODE or style.startswith("jit"))
     if first_moved:
-        # Negative control: accumulating only the requires_grad=True weights (before: the functional style could not
-        # see the weights) leaves the frozen layer where it was, a different model from plain training.
-        monkeypatch.setattr("ms_gradaccum._mindspore.grad_calls.differentiated", lambda *_: None)
-        control = _functional_with_frozen_in_weights(lambda loss_net: GradAccumulationCell(loss_net, K), style)
+        # Negative control: accumulating only the requires_grad=True weights leaves the frozen layer where it was, a
+        # different model from plain training.
+        control = _functional_with_frozen_in_weights(
+            lambda loss_net, opt: GradAccumulationCell(loss_net, K, weights=[p for p in opt.parameters
+                                                                             if p.requires_grad]), style)
         with pytest.raises(AssertionError, match="differs from the reference"):
             assert_params_close(control, expected, **TOLERANCE)
 
@@ -248,8 +249,7 @@ def test_trainable_functional_weights_are_followed_including_frozen_ones(style, 
 # --- weights=: given, not found ----------------------------------------------------------------------------------
 
 class _Trainer:
-    """Holds its grad function as an attribute, used inside an ms.jit step: a grad function reached this way is not
-    found by the discovery of the differentiated weights (it follows names, not attributes)."""
+    """Holds its grad function as an attribute, used inside an ms.jit step."""
 
     def __init__(self, loss_net, weights):
         self.grad_fn = ms.value_and_grad(loss_net, None, weights)
@@ -281,9 +281,10 @@ def test_trainable_weights_given_are_accumulated_where_discovery_cannot_see_them
     actual = _functional_through_an_attribute(
         lambda loss_net, opt: GradAccumulationCell(loss_net, K, weights=opt.parameters))
     assert_params_close(actual, expected, **TOLERANCE)
-    # Negative control: without weights=, the discovery falls back to the requires_grad=True weights and the frozen
-    # (but differentiated) first layer gets no accumulated gradient: another model.
-    control = _functional_through_an_attribute(lambda loss_net, opt: GradAccumulationCell(loss_net, K))
+    # Negative control: the requires_grad=True weights only, and the frozen (but differentiated) first layer gets no
+    # accumulated gradient: another model.
+    control = _functional_through_an_attribute(
+        lambda loss_net, opt: GradAccumulationCell(loss_net, K, weights=[p for p in opt.parameters if p.requires_grad]))
     with pytest.raises(AssertionError, match="differs from the reference"):
         assert_params_close(control, expected, **TOLERANCE)
 

@@ -47,15 +47,24 @@ def test_validation_network_without_parameters_rejected():
         GradAccumulationCell(nn.ReLU(), 2)
 
 
-def test_validation_network_with_no_trained_weight_when_compiled_rejected():
-    # Frozen when built is allowed (it may be unfrozen before training); frozen when the graph compiles is not.
-    frozen = _loss_net()
-    for param in frozen.trainable_params():
-        param.requires_grad = False
-    cell = GradAccumulationCell(frozen, 2)
-    with pytest.raises(ValueError, match=r"the network must have parameters to train when the graph compiles, but "
-                                         r"none of WithLossCell's parameters has requires_grad=True"):
-        ms.value_and_grad(cell, None, frozen.get_parameters())(*_data(8))
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
+def test_validation_weights_required_where_no_optimizer_is_around(mode):
+    # A functional loop (or a call of the cell itself): nothing says which weights are differentiated, so the cell asks,
+    # with the one-line fix; given, it trains (the negative control of the refusal).
+    ms.set_context(mode=mode)
+    loss_net = _loss_net()
+    weights = list(loss_net.get_parameters())
+    frozen = weights[0]
+    frozen.requires_grad = False
+    cell = GradAccumulationCell(loss_net, 2)
+    with pytest.raises(ValueError, match=r"the argument 'weights' is required where no optimizer is around the cell "
+                                         r".* has parameters with requires_grad=False \(" + re.escape(frozen.name) +
+                                         r"; 1 in all\), but it is None.* GradAccumulationCell\(WithLossCell\("
+                                         r"\.\.\.\), micro_size, weights=optimizer\.parameters\)"):
+        ms.value_and_grad(cell, None, list(loss_net.get_parameters()))(*_data(8))
+    given = GradAccumulationCell(loss_net, 2, weights=weights)
+    _, grads = ms.value_and_grad(given, None, weights)(*_data(8))
+    assert len(grads) == len(weights) and all(g.asnumpy().any() for g in grads[1:])
 
 
 def test_validation_numpy_integer_micro_size_accepted():

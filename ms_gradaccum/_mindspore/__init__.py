@@ -1,12 +1,12 @@
 """MindSpore's internals, behind named adapters: the only modules of the package that import a private MindSpore name
-(``tests/test_mindspore.py``'s fence checks it). Elsewhere the package writes plain state of the user's cells in one
-place: the loss contract's eager pass puts back what cells' own ``__call__`` set (``_eager.call_state_kept``).
+(``tests/test_mindspore.py``'s fence checks it). Elsewhere the package writes plain state of the user's cells in two
+places: the loss contract's eager pass puts back what cells' own ``__call__`` set (``diagnostics.eager``), and the
+cell the user calls gets a ``compile`` of its own, the step counter (``diagnostics.calls``).
 
 - :mod:`.version`: the supported versions (checked on import) and what differs between them.
 - :mod:`.graph`: Python run while a graph compiles; eager execution from anywhere.
-- :mod:`.surroundings`: the cells and the gradient call around a cell, found on the stack; how ``Model`` routes a
+- :mod:`.surroundings`: the cells around a cell, found on the stack; how ``Model`` routes a
   cell by name and the parallel mode; a Cell's own Parameter dict and precision flags.
-- :mod:`.grad_calls`: the weights of a ``mindspore.grad`` call around a cell (where no optimizer is).
 - :mod:`.parallel`: what the parallel modes read (communication, the gradient reducer, the batch axis's split).
 - :mod:`.patches`: the process-wide changes, each with ``install()`` and ``uninstall()``.
 - :mod:`.bprops`: the cells whose own ``bprop`` calls ``mindspore.ops.zeros_like`` (where that patch cannot apply).

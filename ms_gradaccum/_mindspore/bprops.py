@@ -9,7 +9,12 @@ import mindspore as ms
 from mindspore import nn
 
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE_FUNCTION
-from ms_gradaccum._mindspore.grad_calls import closure
+
+
+def closure(function) -> dict:
+    """The names a function's closure binds (its free variables), with their values."""
+    return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())
+            if name != "__class__"}
 
 
 def _resolves_to_zeros_like(node, namespace: dict) -> bool:

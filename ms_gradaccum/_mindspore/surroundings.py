@@ -7,7 +7,6 @@ The stack is walked once per cell and compile (or PyNative call) into one frozen
 internals of a Cell the package reads or writes (its own Parameter dict, the precision flags, a copy of its own).
 """
 import collections
-import contextlib
 import copy
 import dataclasses
 import sys
@@ -49,23 +48,13 @@ def _enclosing_cells(cell: nn.Cell, roots: tuple) -> list:
     return found
 
 
-# The code of the closure mindspore.grad / value_and_grad return (mindspore/ops/composite/base.py, 2.7.0-2.10.0):
-# read_stack finds the grad call by it; .grad_calls reads its weights.
-_GRAD_SOURCE = "ops/composite/base.py"
-
-
-def is_after_grad_code(code) -> bool:
-    return code.co_name == "after_grad" and code.co_filename.replace("\\", "/").endswith(_GRAD_SOURCE)
-
-
 @dataclasses.dataclass(frozen=True)
 class Stack:
     """What the frames on the stack show, read in one walk by :func:`read_stack`, the only function of the package that
-    reads frames: the cells being compiled or called (innermost first), the innermost grad call or jit compile (whose
-    weights .grad_calls finds), whether a jit function is being compiled, and whether ``Model.train`` runs.
+    reads frames: the cells being compiled or called (innermost first), whether a jit function is being compiled, and
+    whether ``Model.train`` runs.
     """
     cells: tuple
-    grad_call: Optional[tuple]   # ("locals", the after_grad frame's locals) or ("jit", the function being compiled)
     compiling_jit: bool
     under_model: bool
 
@@ -77,22 +66,17 @@ def _is_model_train(code) -> bool:
 
 def read_stack() -> Stack:
     """The stack of the caller, read once (see :class:`Stack`)."""
-    cells, grad_call, compiling_jit, under_model = [], None, False, False
+    cells, compiling_jit, under_model = [], False, False
     frame = sys._getframe(1)  # pylint: disable=protected-access
     while frame is not None:
         code = frame.f_code
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Cell):
             cells.append(owner)
-        if code.co_name == "staging_specialize":   # the jit wrapper compiling its function
-            compiling_jit = True
-            if grad_call is None:
-                grad_call = ("jit", frame.f_locals.get("func"))
-        elif grad_call is None and is_after_grad_code(code):
-            grad_call = ("locals", dict(frame.f_locals))
+        compiling_jit = compiling_jit or code.co_name == "staging_specialize"   # the jit wrapper compiling its function
         under_model = under_model or _is_model_train(code)
         frame = frame.f_back
-    return Stack(tuple(distinct(cells)), grad_call, compiling_jit, under_model)
+    return Stack(tuple(distinct(cells)), compiling_jit, under_model)
 
 
 def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
@@ -117,41 +101,12 @@ class Surroundings:
     train_cell: Optional[nn.TrainOneStepCell]   # the innermost nn.TrainOneStepCell (or subclass) around it
     optimizer: Optional[nn.Optimizer]           # the optimizer of the innermost cell around it holding one
     loss_wrapper: Optional[nn.Cell]             # a cell computing a loss of its output (it is that cell's _backbone)
-    grad_call: Optional[tuple]                  # without an optimizer: the grad call around it (.grad_calls)
     under_model: bool                           # whether Model.train is running it
 
 
-# The descriptions found during the compiles (and PyNative calls) under way, innermost last: {id(cell): (cell,
-# description)}. Each lives only as long as its compile (kept longer, they kept every compiled cell alive).
-_SCOPES: list = []
-
-
-@contextlib.contextmanager
-def one_walk():
-    """For the duration (one graph compile, or one call in PyNative mode), :func:`discover` walks once per cell and
-    every later read gets that description; nothing is kept after."""
-    _SCOPES.append({})
-    try:
-        yield
-    finally:
-        _SCOPES.pop()
-
-
 def discover(cell: nn.Cell) -> Surroundings:
-    """The surroundings of `cell`, walked once per compile or PyNative call (:func:`one_walk`); outside them each read
-    walks."""
-    scope = _SCOPES[-1] if _SCOPES else None
-    if scope is not None:
-        found = scope.get(id(cell))
-        if found is not None and found[0] is cell:
-            return found[1]
-    description = _walk(cell)
-    if scope is not None:
-        scope[id(cell)] = (cell, description)
-    return description
-
-
-def _walk(cell: nn.Cell) -> Surroundings:
+    """The surroundings of `cell`, from one walk of the stack (the package cells walk once per compile:
+    :class:`FoundOnce`)."""
     stack = read_stack()
     enclosing = _enclosing_cells(cell, stack.cells)
     optimizer = _optimizer_of(enclosing)
@@ -159,7 +114,6 @@ def _walk(cell: nn.Cell) -> Surroundings:
         train_cell=next((c for c in enclosing if isinstance(c, nn.TrainOneStepCell)), None),
         optimizer=optimizer,
         loss_wrapper=next((c for c in enclosing if c.__dict__.get("_cells", {}).get("_backbone") is cell), None),
-        grad_call=stack.grad_call if optimizer is None else None,
         under_model=stack.under_model)
 
 
@@ -169,6 +123,25 @@ def _optimizer_of(enclosing: list) -> Optional[nn.Optimizer]:
         if isinstance(optimizer, nn.Optimizer):
             return optimizer
     return None
+
+
+class FoundOnce:
+    """Mixed into the package cells: their surroundings found once per compile, at its start (``check_at_compile``),
+    and in PyNative mode on the first call only (the stack is not read on every call); whoever needs them reads
+    :func:`surroundings_of` the cell."""
+
+    def find_surroundings(self) -> Surroundings:
+        found = self.__dict__.get("surroundings")
+        if found is None or ms.get_context("mode") != ms.PYNATIVE_MODE:
+            found = discover(self)
+            self.__dict__["surroundings"] = found
+        return found
+
+
+def surroundings_of(owner: nn.Cell) -> Surroundings:
+    """`owner`'s surroundings as its compile found them (:class:`FoundOnce`); found now where it has not compiled."""
+    found = owner.__dict__.get("surroundings")
+    return discover(owner) if found is None else found
 
 
 # --- Routing ----------------------------------------------------------------------------------------------------------

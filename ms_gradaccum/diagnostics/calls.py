@@ -26,7 +26,6 @@ from mindspore import nn
 
 from ms_gradaccum._microbatch import check_tensor_inputs
 from ms_gradaccum._mindspore.patches import GRAPH_COMPILE, with_context
-from ms_gradaccum._mindspore.surroundings import one_walk
 from ms_gradaccum.diagnostics.contract import RECHECK_EVERY
 
 # The package cells built and not compiled yet (their first compile is under way or to come).
@@ -60,10 +59,9 @@ def _engine(owner) -> nn.Cell:
 
 @contextlib.contextmanager
 def around_first_compile(cell: nn.Cell, args: tuple):
-    """Around a compile of `cell` on `args` while package cells wait for their first (a GRAPH_COMPILE hook): the
-    surroundings found once for the compile; where `cell` hands its inputs to a waiting package cell, its step counted
-    (the first step's check) and, after the compile, the step counter given to `cell`; then, once no package cell waits,
-    the hook is removed."""
+    """Around a compile of `cell` on `args` while package cells wait for their first (a GRAPH_COMPILE hook): where
+    `cell` hands its inputs to a waiting package cell, its step counted (the first step's check) and, after the
+    compile, the step counter given to `cell`; then, once no package cell waits, the hook is removed."""
     waiting = list(_WAITING)
     if not waiting or ms.get_context("mode") != ms.GRAPH_MODE:
         yield
@@ -72,11 +70,10 @@ def around_first_compile(cell: nn.Cell, args: tuple):
     reached = any(owner is other for other in waiting)
     for other in waiting:
         object.__setattr__(_engine(other), "graph_built", False)
-    with one_walk():
-        if reached:
-            check_tensor_inputs(_engine(owner).owner_name, args)
-            _engine(owner).contract.count_step(_engine(owner), args)
-        yield
+    if reached:
+        check_tensor_inputs(_engine(owner).owner_name, args)
+        _engine(owner).contract.count_step(_engine(owner), args)
+    yield
     for other in waiting:   # compiled: its graph is built (engine.buffers, read while it compiles, says so)
         if _engine(other).graph_built:
             _WAITING.discard(other)
@@ -134,13 +131,11 @@ def _add_context(error: Exception, owner: nn.Cell, engine: nn.Cell, args: tuple)
 
 class CountedCalls:
     """Mixed into the package cells (before ``nn.Cell``): in PyNative mode each call counts its step (the loss
-    contract's check first, on the steps due) and finds the cell's surroundings once for the call."""
+    contract's check first, on the steps due)."""
 
     def __call__(self, *args, **kwargs):
         if ms.get_context("mode") == ms.PYNATIVE_MODE:
             engine = _engine(self)
             check_tensor_inputs(engine.owner_name, args)
             engine.contract.count_step(engine, args)
-            with one_walk():
-                return super().__call__(*args, **kwargs)
         return super().__call__(*args, **kwargs)
