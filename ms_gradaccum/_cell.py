@@ -12,7 +12,8 @@ from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, compiling_graph, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
 from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, FoundOnce, Surroundings,
-                                                  TrainGradAccuStepCell, parallel_mode)
+                                                  TrainGradAccuStepCell, data_parallel_in_force,
+                                                  parallel_mode)
 from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._kinds import LossKind
 from ms_gradaccum._kinds import LossSpec
@@ -47,14 +48,14 @@ def data_parallel_module():
 
 
 class DataParallelParts:
-    """Mixed into both cells: their parts under data parallel (_parallel), built when first read in that mode:
-    ``replicas``, the first step's check that every rank holds the same weights; ``token_totals``, the sums across
-    ranks."""
+    """Mixed into both cells: the start of a step (:meth:`batch_prologue`), and their parts under data parallel
+    (_parallel), built when first read in that mode: ``replicas``, the first step's check that every rank holds the same
+    weights; ``token_totals``, the sums across ranks."""
 
     @compile_time
     def data_parallel(self) -> bool:
         """Whether data parallel is in force (read when the graph compiles: the context may be set later)."""
-        return parallel_mode() == ms.ParallelMode.DATA_PARALLEL
+        return data_parallel_in_force()
 
     @compile_time
     def replicas(self) -> nn.Cell:
@@ -65,6 +66,17 @@ class DataParallelParts:
     def token_totals(self) -> nn.Cell:
         return child_on_first_read(self, "token_totals", lambda: data_parallel_module().TokenTotals(
             self.kind, self.engine.owner_name))
+
+    def batch_prologue(self, inputs):
+        """The start of a step in either cell, in the graph: ``(scale, (split, shared, constants, layout), unit)``: the
+        loss scale (under data parallel, with the first step's check that every rank holds the same weights), the
+        inputs as the engine lays them out, and the batch's count unit (its largest micro-batch: _kinds)."""
+        scale = self.loss_scale()
+        if self.data_parallel:
+            scale = self.replicas(scale)
+        split, shared, constants, layout = self.engine.split_inputs(inputs)
+        unit = Tensor(_buffers.unit_of(split[0].shape[0], self.micro_size), mstype.float32)
+        return scale, (split, shared, constants, layout), unit
 
 
 def check_loss_inside(found: Surroundings) -> None:
@@ -312,11 +324,7 @@ class GradAccumulationCell(CountedCalls, FoundOnce, DataParallelParts, Precision
         run_compile_checks(self.compile_checks)
         if self.parallel_pass:
             return self.parallel_pass_part(*inputs)
-        scale = self.loss_scale()
-        if self.data_parallel:
-            scale = self.replicas(scale)   # at the first step: every rank holds the same weights
-        split, shared, constants, layout = self.engine.split_inputs(inputs)
-        unit = Tensor(_buffers.unit_of(split[0].shape[0], self.micro_size), mstype.float32)
+        scale, (split, shared, constants, layout), unit = self.batch_prologue(inputs)
         value, count, loss_like = self.engine(split, shared, constants, layout, scale, unit, self.targets_key)
         factor = 1.0
         if self.data_parallel:

@@ -1,5 +1,6 @@
 """Loss kinds: what one micro-batch's loss adds to its batch or window, and how the sums become the loss and the mean
-gradient. A kind is one object (as optax's microbatching ``Accumulator``); no other module branches on it.
+gradient. A kind is one object (as optax's microbatching ``Accumulator``); no other module branches on its type, only
+on what it declares (``returns_count``, ``checks_counts``, ``counts_in_network``, ``in_parallel_pass``).
 
 Per micro-batch (in the graph, and eagerly for the first step's check) :meth:`LossKind.tally` returns ``(weight, value,
 count)``: the backward pass runs on ``loss * scale * weight``, so the buffers hold ``scale * sum(weight * gradient)``;

@@ -119,15 +119,18 @@ class WrapperScale(LossScale):
     def skips_non_finite(self) -> bool:
         return isinstance(surroundings_of(self._owner()).train_cell, nn.TrainOneStepWithLossScaleCell)
 
+    def _applied(self) -> tuple:
+        """``(the wrapping train cell or None, the sens it applies: 1.0 without one, None where it changes)``."""
+        wrapper = surroundings_of(self._owner()).train_cell
+        return wrapper, 1.0 if wrapper is None else applied_sens(wrapper)
+
     @compile_time
     def value(self) -> float:
-        wrapper = surroundings_of(self._owner()).train_cell
-        scale = 1.0 if wrapper is None else applied_sens(wrapper)
-        return 1.0 if scale is None else scale
+        scale = self._applied()[1]
+        return 1.0 if scale is None else scale   # a changing scale is refused by check(), which runs first
 
     def check(self) -> None:
-        wrapper = surroundings_of(self._owner()).train_cell
-        scale = 1.0 if wrapper is None else applied_sens(wrapper)
+        wrapper, scale = self._applied()
         if scale is None:
             raise ValueError(
                 f"For '{self._cls_name}', the train cell that wraps it changes its loss scale while training "

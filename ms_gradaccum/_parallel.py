@@ -14,20 +14,14 @@ from mindspore.communication import get_group_size
 
 from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._mindspore.parallel import communication_initialized, reducer_all_reduces
-from ms_gradaccum._mindspore.surroundings import parallel_mode
+from ms_gradaccum._mindspore.surroundings import data_parallel_in_force
 from ms_gradaccum._buffers import Unsaved
 from ms_gradaccum._loss_scale import PrecisionNeutral
 
 
-def data_parallel() -> bool:
-    """Whether data parallel is in force (read when a graph compiles: the context may be set after the cell is
-    built)."""
-    return parallel_mode() == ms.ParallelMode.DATA_PARALLEL and communication_initialized()
-
-
 def check_data_parallel_ready(cls_name: str) -> None:
     """A clear error when data parallel is in force but communication was never initialised."""
-    if parallel_mode() == ms.ParallelMode.DATA_PARALLEL and not communication_initialized():
+    if data_parallel_in_force() and not communication_initialized():
         raise RuntimeError(
             f"For '{cls_name}', the parallel mode is data_parallel but mindspore.communication.init() has not been "
             f"called, so there is no group to reduce the gradients over (MindSpore would crash at the first step). "
@@ -53,7 +47,7 @@ class TokenTotals(PrecisionNeutral):
 
     @compile_time
     def reduced(self) -> bool:
-        return self.sums_across_ranks and data_parallel()
+        return self.sums_across_ranks and data_parallel_in_force()
 
     @compile_time
     def factor(self) -> float:
@@ -124,7 +118,7 @@ class ReplicaCheck(PrecisionNeutral):
 
     @compile_time
     def active(self) -> bool:
-        return data_parallel() and bool(self.names)
+        return data_parallel_in_force() and bool(self.names)
 
     @compile_time
     def compared(self):

@@ -224,12 +224,8 @@ class AccumulatingTrainOneStepCell(CountedCalls, FoundOnce, DataParallelParts, n
         scale)``. :meth:`construct` returns them; a subclass whose trainer reads other outputs overrides ``construct``
         and calls this."""
         run_compile_checks(self.compile_checks)
-        scale = self.loss_scale()
-        if self.data_parallel:
-            scale = self.replicas(scale)   # at the first step: every rank holds the same weights
-        split, shared, constants, layout = self.engine.split_inputs(inputs)
-        # The count unit of the window (its first batch's largest micro-batch: _kinds).
-        unit = self.window.unit(Tensor(_buffers.unit_of(split[0].shape[0], self.micro_size), mstype.float32))
+        scale, (split, shared, constants, layout), unit = self.batch_prologue(inputs)
+        unit = self.window.unit(unit)   # the window's: its first batch's
         value, count, loss_like = self.engine(split, shared, constants, layout, scale, unit, "")
         # What is returned per call: the batch's loss, normalised as its kind says.
         rows = Tensor(split[0].shape[0], mstype.float32)

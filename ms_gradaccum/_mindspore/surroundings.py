@@ -158,6 +158,13 @@ def parallel_mode() -> str:
     return ms.get_auto_parallel_context("parallel_mode")
 
 
+def data_parallel_in_force() -> bool:
+    """Whether data parallel is in force: the one definition the cells and their cross-rank parts read (when a graph
+    compiles: the context may be set after a cell is built). Communication must be initialised too, which the cells
+    check first (``_parallel.check_data_parallel_ready``), with a clear error."""
+    return parallel_mode() == ms.ParallelMode.DATA_PARALLEL
+
+
 # --- A Cell's internals (checked 2.7.0-2.10.0) ------------------------------------------------------------------------
 
 # The flags Cell.to_float sets on every cell of a tree (``amp_level`` O2/O3 call it): a flagged cell casts every float
