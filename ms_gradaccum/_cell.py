@@ -227,7 +227,9 @@ class GradAccumulationCell(CountedCalls, FoundOnce, DataParallelParts, Precision
                 f"fill its buffers (it would train nothing). Keep the same parallel mode (or AutoParallel) for "
                 f"Model(...) and model.train(...).")
         if found.optimizer is None and self._explicit_weights is None:
-            frozen = [param.name for param in self.network.get_parameters() if not param.requires_grad]
+            # Batch statistics are state, not weights: no grad call differentiates them.
+            frozen = [param.name for param in self.network.get_parameters() if not param.requires_grad and
+                      param.name.split(".")[-1] not in ("moving_mean", "moving_variance")]
             if frozen:
                 raise weights_required_error(_NAME, self.network, frozen)
         if not self._trained_weights(found):
