@@ -209,12 +209,21 @@ def test_parallel_modes_semi_auto_output_is_mean_loss_with_gradient_of_sum():
     reference = _loss_net()
 
     x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
-    loss, grads = ms.value_and_grad(cell.parallel_pass_part, None, cell.trainable_params())(x, y)
+    loss, grads = _part_value_and_grad(cell, x, y)
     ref_loss, ref_grads = ms.value_and_grad(reference, None, reference.trainable_params())(x, y)
 
     np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy(), rtol=1e-6)
     for grad, ref_grad in zip(grads, ref_grads):
         np.testing.assert_allclose(grad.asnumpy() / K, ref_grad.asnumpy(), rtol=1e-5, atol=1e-7)
+
+
+def _part_value_and_grad(cell, *inputs):
+    """The parallel-pass part's loss and gradients, evaluated stand-alone in PyNative mode. Stand-alone the markers are
+    inert, and the graph the part compiles to there is not the one the parallel pass builds on Ascend/GPU; in GRAPH_MODE,
+    late in a long test process, MindSpore once failed to infer its backward (CI: "For 'AddN', input shape must be
+    same ... (4) ... (8, 4)", not reproduced in the file alone or after the real-model files)."""
+    ms.set_context(mode=ms.PYNATIVE_MODE)   # the conftest fixture restores GRAPH_MODE
+    return ms.value_and_grad(cell.parallel_pass_part, None, cell.trainable_params())(*inputs)
 
 
 class _CompilingFrame(nn.Cell):
@@ -257,10 +266,7 @@ def test_parallel_modes_semi_auto_gradient_carries_the_optimizer_loss_scale():
     reference = _loss_net()
     x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
 
-    def gradients():
-        return ms.value_and_grad(cell.parallel_pass_part, None, cell.trainable_params())(x, y)
-
-    loss, grads = _CompilingFrame(wrapper).compile(gradients)
+    loss, grads = _CompilingFrame(wrapper).compile(lambda: _part_value_and_grad(cell, x, y))
     ref_loss, ref_grads = ms.value_and_grad(reference, None, reference.trainable_params())(x, y)
     np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy(), rtol=1e-6)
     for grad, ref_grad in zip(grads, ref_grads):   # sum over micro-batches, times the scale
