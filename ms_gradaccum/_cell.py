@@ -19,7 +19,8 @@ from ms_gradaccum._kinds import LossKind
 from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._tokens import recognised
 from ms_gradaccum._validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
-                                      foreign_optimizer_error, no_trained_weights_error, weights_required_error)
+                                      foreign_optimizer_error, is_batch_statistic, no_trained_weights_error,
+                                      weights_required_error)
 
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
@@ -229,7 +230,7 @@ class GradAccumulationCell(CountedCalls, FoundOnce, DataParallelParts, Precision
         if found.optimizer is None and self._explicit_weights is None:
             # Batch statistics are state, not weights: no grad call differentiates them.
             frozen = [param.name for param in self.network.get_parameters() if not param.requires_grad and
-                      param.name.split(".")[-1] not in ("moving_mean", "moving_variance")]
+                      not is_batch_statistic(param.name)]
             if frozen:
                 raise weights_required_error(_NAME, self.network, frozen)
         if not self._trained_weights(found):

@@ -205,6 +205,12 @@ def computes_in_float16(network: nn.Cell) -> bool:
     return any(param.dtype == mstype.float16 for param in network.get_parameters())
 
 
+def is_batch_statistic(name: str) -> bool:
+    """Whether the parameter named `name` holds a batch-normalisation cell's moving statistics (``moving_mean``,
+    ``moving_variance``): state the forward pass updates, not a weight (no grad call differentiates it)."""
+    return name.split(".")[-1] in ("moving_mean", "moving_variance")
+
+
 def batch_norm_cells(network: nn.Cell) -> list:
     """Names (and types) of the cells of ``network`` that normalise with batch statistics in training (BatchNorm,
     SyncBatchNorm, any cell with ``moving_mean``/``moving_variance``), unless ``use_batch_statistics=False``."""
@@ -214,7 +220,7 @@ def batch_norm_cells(network: nn.Cell) -> list:
             continue
         own = [param.name for param in cell.get_parameters(expand=False)]
         if isinstance(cell, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)) or any(
-                param.split(".")[-1] in ("moving_mean", "moving_variance") for param in own):
+                is_batch_statistic(param) for param in own):
             found.append(f"{name or '<network>'} ({type(cell).__name__})")
     return found
 

@@ -39,7 +39,11 @@ class ZooTrainOneStepWrapper(AccumulatingTrainOneStepCell):
                                                          name)
         clip_grad = check_bool(clip_grad, "clip_grad", name)
         clip_norm = check_positive_float(clip_norm, "clip_norm", name)
-        check_bool(verbose, "verbose", name)
+        if check_bool(verbose, "verbose", name):
+            raise ValueError(
+                f"For '{name}', the argument 'verbose' must be False, but got True: {self.zoo}'s own wrapper stores it "
+                f"and prints nothing with it, and so would this one. Remove verbose=True (overflow is returned as the "
+                f"step's second output; LossMonitor or a callback of one's own prints it).")
         # This package's arguments, checked under this class's name (the core checks them again under its own).
         LossSpec.of(name, micro_size=micro_size, per_token_loss=per_token_loss, shared_inputs=shared_inputs,
                     check_loss=check_loss)
@@ -51,7 +55,7 @@ class ZooTrainOneStepWrapper(AccumulatingTrainOneStepCell):
                          check_loss=check_loss)
         self.ema = ema
         self.skips_overflow = drop_overflow_update
-        self.clip_norm, self.verbose = clip_norm, verbose
+        self.clip_norm, self.verbose = clip_norm, False
 
     @property
     def drop_overflow_update(self) -> bool:

@@ -31,7 +31,9 @@ does. What it relies on in MindFormers, checked against 2.1.0:
   ``grad_accumulation.<weight>`` and also registers its window state under the optimizer;
 - the outputs MindFormers' monitors read: ``(loss, overflow, loss scale, learning rate, global norm)``
   (``core/callback/callback.py::_get_loss_output``);
-- ``ClipGradNorm`` (``core/clip_grad.py``) and ``AdaptiveLossScaleUpdateCell`` (``wrapper/adaptive_loss_scale.py``).
+- ``ClipGradNorm`` (``core/clip_grad.py``) and ``AdaptiveLossScaleUpdateCell`` (``wrapper/adaptive_loss_scale.py``);
+- ``is_legacy_model()`` (``core/context/build_context.py``): MindFormers' mcore models (``use_legacy: False``) return
+  four losses, which ``MFTrainOneStepCell`` adds (and prints with ``print_separate_loss``); the wrapper refuses them.
 """
 import inspect
 import numbers
@@ -39,6 +41,7 @@ from typing import Any, Optional
 
 try:
     from mindformers.core.clip_grad import ClipGradNorm
+    from mindformers.core.context.build_context import is_legacy_model
     from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
     from mindformers.trainer.base_trainer import BaseTrainer
     from mindformers.wrapper.adaptive_loss_scale import AdaptiveLossScaleUpdateCell
@@ -86,8 +89,11 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
     MindFormers' keys, as ``MFTrainOneStepCell`` reads them: `scale_sense` (a number, MindSpore's update cells or
     MindFormers' ``AdaptiveLossScaleUpdateCell``; an overflowing window is skipped), `use_clip_grad`/`max_grad_norm`
     (``ClipGradNorm`` once per optimizer step), `use_skip_data_by_global_norm`/`global_norm_spike_threshold`,
-    `calculate_per_token_loss` (the model returns ``(loss_sum, count)``), `lr_scheduler`, `print_separate_loss`;
-    `local_norm` and `grouped_lr_scheduler` are refused when set. Details: ``docs/design.md``.
+    `calculate_per_token_loss` (the model returns ``(loss_sum, count)``); `local_norm` and `grouped_lr_scheduler` are
+    refused when set. `lr_scheduler` and `print_separate_loss`, which the ``Trainer`` always passes, change nothing,
+    as in ``MFTrainOneStepCell`` for the models the wrapper takes: it reads `lr_scheduler` only beside
+    `grouped_lr_scheduler` (the learning rate reported is the optimizer's), and `print_separate_loss` only for mcore
+    models (``use_legacy: False``, whose four losses the wrapper refuses). Details: ``docs/design.md``.
 
     Args:
         network (Cell): The model, returning its loss (or ``(loss_sum, count)``).
@@ -109,8 +115,8 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
     Raises:
         TypeError: If a key has the wrong type, or a key is unknown.
         ValueError: If `micro_size` or `accumulate_steps` < 1, `max_grad_norm` or the threshold is not positive,
-            `local_norm` is True or `grouped_lr_scheduler` is given, or `per_token_loss` contradicts
-            `calculate_per_token_loss`.
+            `local_norm` is True or `grouped_lr_scheduler` is given, `per_token_loss` contradicts
+            `calculate_per_token_loss`, or MindFormers' context selects mcore models (``use_legacy: False``).
 
     Supported Platforms:
         ``CPU``: MindFormers 2.1.0's ``Trainer`` in CI, stand-alone and data parallel. Not run on Ascend or GPU.
@@ -124,6 +130,11 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
                  per_token_loss: Optional[bool] = None, shared_inputs=None, steps_per_epoch: Optional[int] = None,
                  check_loss: bool = True, **mindformers_keys):
         keys = _mindformers_keys(mindformers_keys)
+        if not is_legacy_model():
+            raise ValueError(
+                f"For '{_NAME}', MindFormers' context has use_legacy: False, but the wrapper takes legacy models only "
+                f"(one loss, or (loss_sum, count)): mcore models return (lm_loss, mtp_loss, aux_loss, indexer_loss), "
+                f"which MFTrainOneStepCell adds. Set use_legacy: True, or train with MindFormers' own wrapper.")
         _package_keys(dict(micro_size=micro_size, accumulate_steps=accumulate_steps, per_token_loss=per_token_loss,
                            check_loss=check_loss))
         per_token_loss = _loss_kind(per_token_loss, keys["calculate_per_token_loss"])

@@ -41,7 +41,8 @@ class TrainOneStepWrapper(ZooTrainOneStepWrapper):
         network, optimizer, scale_sense, ema, updates, drop_overflow_update, gradient_accumulation_steps, clip_grad,
             clip_norm, verbose: As mindocr's (`scale_sense`: a number, a scalar Tensor,
             ``nn.DynamicLossScaleUpdateCell`` or ``nn.FixedLossScaleUpdateCell``; `ema`: mindocr's ``EMA`` or anything
-            with ``ema_update()``; `updates`: only 0, as mindocr ignores it).
+            with ``ema_update()``; `updates`: only 0, as mindocr ignores it; `verbose`: only False, as mindocr stores it
+            and prints nothing with it).
         micro_size, per_token_loss, shared_inputs, steps_per_epoch, check_loss: As for
             :class:`~ms_gradaccum.AccumulatingTrainOneStepCell` (keyword only).
 
@@ -51,7 +52,7 @@ class TrainOneStepWrapper(ZooTrainOneStepWrapper):
 
     Raises:
         TypeError: If an argument has the wrong type (`ema` without ``ema_update()``, `clip_grad` not a bool, ...).
-        ValueError: If `gradient_accumulation_steps` < 1, `clip_norm` <= 0 or `updates` != 0.
+        ValueError: If `gradient_accumulation_steps` < 1, `clip_norm` <= 0, `updates` != 0 or `verbose` is True.
 
     Supported Platforms:
         ``CPU``: against mindocr 0.5.0's own wrapper in CI, around networks that run on CPU. Not run on Ascend or GPU.

@@ -255,6 +255,18 @@ def test_mindformers_wrapper_bad_keys_are_refused_naming_them(keys, error, match
             GradAccumulationWrapper.with_keys(**keys)
 
 
+def test_mindformers_wrapper_refuses_mcore_models_and_takes_the_keys_the_trainer_always_passes(monkeypatch):
+    # The Trainer passes print_separate_loss (default True) and lr_scheduler to every wrapper; MFTrainOneStepCell reads
+    # them only for mcore models and beside grouped schedules, which the wrapper refuses.
+    model, wrapper = _wrapper(micro_size=2, print_separate_loss=True, lr_scheduler=0.1)
+    assert wrapper.micro_size == 2
+    import ms_gradaccum.mindformers as adapter   # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(adapter, "is_legacy_model", lambda: False)
+    with pytest.raises(ValueError, match=r"MindFormers' context has use_legacy: False, but the wrapper takes legacy "
+                                         r"models only .* Set use_legacy: True"):
+        GradAccumulationWrapper(model, make_optimizer("sgd", model.trainable_params()), micro_size=2)
+
+
 def test_mindformers_trainer_config_refuses_its_own_accumulation_beside_the_wrapper():
     config = MindFormerConfig(runner_wrapper={"type": "GradAccumulationWrapper"},
                               runner_config={"gradient_accumulation_steps": 4})

@@ -98,6 +98,8 @@ def test_mindocr_wrapper_ema_and_clip_once_per_optimizer_step():
     (dict(updates=3), ValueError, ["'updates'", "mindocr's own wrapper ignores it", "EMA(network, updates=3)"]),
     (dict(ema=object()), TypeError, ["'ema'", "ema_update()"]),
     (dict(clip_norm=0.0), ValueError, ["'clip_norm'"]),
+    (dict(verbose=True), ValueError, ["'verbose'", "True", "mindocr's own wrapper stores it and prints nothing"]),
+    (dict(verbose="yes"), TypeError, ["'verbose'", "'yes'"]),
 ])
 def test_mindocr_wrapper_bad_arguments_name_the_argument(kwargs, error, words):
     net = make_mlp()

@@ -187,6 +187,7 @@ def test_mindone_wrapper_resume_mid_window_through_evalsavecallback_and_resume_t
     (dict(gradient_accumulation_steps=0), ValueError, ["'gradient_accumulation_steps'", "0"]),
     (dict(drop_overflow_update=None), TypeError, ["'drop_overflow_update'", "None"]),
     (dict(micro_size=0), ValueError, ["'micro_size'", "0"]),
+    (dict(verbose=True), ValueError, ["'verbose'", "True", "mindone's own wrapper stores it and prints nothing"]),
 ])
 def test_mindone_wrapper_bad_arguments_name_the_argument(kwargs, error, words):
     net = make_mlp()

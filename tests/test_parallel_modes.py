@@ -218,10 +218,10 @@ def test_parallel_modes_semi_auto_output_is_mean_loss_with_gradient_of_sum():
 
 
 def _part_value_and_grad(cell, *inputs):
-    """The parallel-pass part's loss and gradients, evaluated stand-alone in PyNative mode. Stand-alone the markers are
-    inert, and the graph the part compiles to there is not the one the parallel pass builds on Ascend/GPU; in GRAPH_MODE,
-    late in a long test process, MindSpore once failed to infer its backward (CI: "For 'AddN', input shape must be
-    same ... (4) ... (8, 4)", not reproduced in the file alone or after the real-model files)."""
+    """The parallel-pass part's loss and gradients, evaluated stand-alone in PyNative mode. Stand-alone the markers
+    are inert, and the graph the part compiles to there is not the one the parallel pass builds on Ascend/GPU; in
+    GRAPH_MODE, late in a long test process, MindSpore once failed to infer its backward (CI: "For 'AddN', input shape
+    must be same ... (4) ... (8, 4)", not reproduced in the file alone or after the real-model files)."""
     ms.set_context(mode=ms.PYNATIVE_MODE)   # the conftest fixture restores GRAPH_MODE
     return ms.value_and_grad(cell.parallel_pass_part, None, cell.trainable_params())(*inputs)
 

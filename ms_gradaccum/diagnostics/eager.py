@@ -6,13 +6,14 @@ import contextlib
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum._mindspore.graph import eager_mode
+from ms_gradaccum._validation import is_batch_statistic
 
 
 @contextlib.contextmanager
 def moving_statistics_kept(network: nn.Cell):
     """Puts BatchNorm's moving statistics back as they were: the check's pass is not a training step."""
     kept = [(param, Tensor(param.asnumpy())) for name, param in network.parameters_and_names()
-            if name.split(".")[-1] in ("moving_mean", "moving_variance")]
+            if is_batch_statistic(name)]
     try:
         yield
     finally:

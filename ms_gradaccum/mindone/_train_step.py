@@ -25,9 +25,10 @@ class TrainOneStepWrapper(ZooTrainOneStepWrapper):
     mid-window by ``EvalSaveCallback``. Details: ``docs/mindone.md``.
 
     Args:
-        network, optimizer, scale_sense, ema, drop_overflow_update, gradient_accumulation_steps, clip_grad, clip_norm,
-            verbose: As mindone's (`scale_sense`: a number, a scalar Tensor, ``nn.DynamicLossScaleUpdateCell`` or
+        network, optimizer, scale_sense, ema, drop_overflow_update, gradient_accumulation_steps, clip_grad, clip_norm:
+            As mindone's (`scale_sense`: a number, a scalar Tensor, ``nn.DynamicLossScaleUpdateCell`` or
             ``nn.FixedLossScaleUpdateCell``; `clip_grad`: clip the window's gradient to the global norm `clip_norm`).
+        verbose (bool): Only ``False``: mindone's wrapper stores it and prints nothing with it.
         updates (int): Accepted as mindone's, which ignores it; only 0: give the count to ``EMA(updates=...)``.
         zero_helper: Only ``None`` (ZeRO is refused: it shards the gradients the window sums).
         micro_size, per_token_loss, shared_inputs, steps_per_epoch, check_loss: As for
@@ -39,7 +40,8 @@ class TrainOneStepWrapper(ZooTrainOneStepWrapper):
 
     Raises:
         TypeError: If an argument has the wrong type (`ema` not mindone's ``EMA``, `clip_grad` not a bool, ...).
-        ValueError: If `gradient_accumulation_steps` < 1, `clip_norm` <= 0, `updates` != 0, or `zero_helper` is given.
+        ValueError: If `gradient_accumulation_steps` < 1, `clip_norm` <= 0, `updates` != 0, `verbose` is True, or
+            `zero_helper` is given.
 
     Supported Platforms:
         ``CPU``: with mindone 0.5.0 in CI, around networks that run on CPU. Not run on Ascend or GPU.
