@@ -38,24 +38,35 @@ class TupleInputs(PrecisionNeutral):
         return self.network(*inputs)
 
 
-class LossShape:
-    """The shape of the network's loss, written while the loop body compiles and read after the loop: nothing outside
-    the loop body sees it otherwise (a value carried out of a graph-mode while loop gets a dynamic shape)."""
+class CompileRecord:
+    """What one engine's compile found and reads again, kept on its own engine (no module state): the shape of the
+    network's loss, written while the loop body compiles and read after the loop (a value carried out of a graph-mode
+    while loop gets a dynamic shape, so nothing outside the body sees it otherwise); and the inputs' layout, for the
+    context of an error the network raises on a micro-batch where the compiled cell's inputs are not the engine's
+    owner's (diagnostics.failures)."""
 
     def __init__(self):
-        self.shape = None
+        self.loss_shape = None
+        self.layout = None   # (input kinds, input names, layout)
 
 
 @primexpr
-def record_loss_shape(holder: LossShape, shape: tuple) -> bool:
-    holder.shape = tuple(shape)
+def record_loss_shape(record: CompileRecord, shape: tuple) -> bool:
+    record.loss_shape = tuple(shape)
     return True
 
 
 @primexpr
-def recorded_loss_shape(holder: LossShape, after: tuple) -> tuple:
+def recorded_loss_shape(record: CompileRecord, after: tuple) -> tuple:
     """The recorded shape; `after` (the shape of a loop output) orders this after the loop body's compile."""
-    return holder.shape
+    return record.loss_shape
+
+
+@primexpr
+def record_layout(record: CompileRecord, kinds: tuple, names: tuple, layout: tuple) -> tuple:
+    """Keeps the inputs' layout on `record` and returns it."""
+    record.layout = (kinds, names, layout)
+    return layout
 
 
 class ScaledLoss(PrecisionNeutral):
@@ -74,7 +85,7 @@ class ScaledLoss(PrecisionNeutral):
         self.kind = kind
         self.returns_count = kind.returns_count
         self.owner_name = cls_name
-        self.loss_shape = LossShape()
+        self.record = CompileRecord()
 
     @compile_time
     def counted(self):
@@ -111,7 +122,7 @@ class ScaledLoss(PrecisionNeutral):
             count = ops.select(calls > 0, ops.depend(self.counted * 1.0, loss), Tensor(rows, mstype.float32))
         # A single-element loss of shape (1,) is tallied as a scalar; its shape goes back to the owner (loss_like).
         scalar = loss.sum()
-        scalar = ops.depend(scalar, record_loss_shape(self.loss_shape, loss.shape))
+        scalar = ops.depend(scalar, record_loss_shape(self.record, loss.shape))
         weight, value, count = self.kind.tally(ops.stop_gradient(scalar), ops.stop_gradient(count), rows, unit,
                                                inputs)
         factor = ops.stop_gradient(scale * weight)
@@ -178,8 +189,10 @@ class MicroBatchGradients(PrecisionNeutral):
     def split_inputs(self, inputs):
         """``(split, shared, constants, layout)`` of the network's inputs, for :meth:`construct`: Tensors are split
         along axis 0 unless declared in ``shared_inputs`` or 0-d; None and Python numbers are passed as they are."""
-        layout = plan_inputs(self.owner_name, input_kinds(inputs), self.shared_inputs, self.input_names,
-                             self.micro_size)
+        kinds = input_kinds(inputs)
+        layout = record_layout(self.scaled_loss.record, kinds, self.input_names,
+                               plan_inputs(self.owner_name, kinds, self.shared_inputs, self.input_names,
+                                           self.micro_size))
         split, shared, constants = partition(inputs, layout)
         return ms.mutable(split), ms.mutable(shared) if shared else shared, constants, layout
 
@@ -309,7 +322,7 @@ class MicroBatchGradients(PrecisionNeutral):
         if not self.skips_non_finite:
             value = ops.depend(value, self._check_finite(bad, bad_first, bad_last, any_finite, row_offset))
         value = self.contract(inputs, others, pair_value, pair_count, unit, value)
-        loss_like = ops.zeros(recorded_loss_shape(self.scaled_loss.loss_shape, value.shape), mstype.float32)
+        loss_like = ops.zeros(recorded_loss_shape(self.scaled_loss.record, value.shape), mstype.float32)
         return value, count_total, loss_like
 
     def bprop(self, inputs, shared, constants, layout, scale, unit, key, out, dout):

@@ -10,9 +10,6 @@ from mindspore import ops, Tensor
 from ms_gradaccum._mindspore.graph import primexpr
 
 # The layout of the inputs last split (kinds, names, layout), for errors the network raises (_failures).
-_LAST = {"layout": None}
-
-
 def plan(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
     """``((count, rows), ...)``: micro-batches as even as possible, ``batch = sum(count * rows)``; one entry when
     ``micro_size`` divides ``batch``, else two (the larger first). A smaller batch gives micro-batches of one row."""
@@ -115,7 +112,6 @@ def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple,
             f"For '{cls_name}', no input can be split into micro_size={micro_size} micro-batches: every input is a "
             f"0-d Tensor, None, a number or declared in shared_inputs={shared_inputs}. At least one input needs a "
             f"batch axis 0.")
-    _LAST["layout"] = (kinds, names, layout)   # for errors the network raises on a micro-batch (_failures)
     return layout
 
 
@@ -255,8 +251,3 @@ def check_loss_dtype(cls_name: str, dtypes: tuple) -> None:
             f"or float64), but it returned {dtypes[0]}. An integer (a count of correct predictions, an argmax) has no "
             f"gradient: return the differentiable loss, or cast it where it is meant to train "
             f"(loss.astype(mindspore.float32)).")
-
-
-def last_layout():
-    """``(kinds, names, layout)`` of the inputs :func:`plan_inputs` last planned, or None (for _failures)."""
-    return _LAST["layout"]

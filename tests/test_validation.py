@@ -381,6 +381,26 @@ def test_validation_fixed_batch_reshape_gets_the_micro_batch_context_in_graph_mo
     assert_params_moved(params_of(loss_net), before)
 
 
+def test_validation_fixed_batch_reshape_under_a_train_cell_of_ones_own_gets_the_context_of_the_compiled_layout():
+    # A subclass of nn.TrainOneStepCell may change its inputs: the batch is not read from its call, the layout is the
+    # one the engine's compile recorded (its CompileRecord), and the context comes where MindSpore's traceback runs
+    # through the engine's call of the network.
+    class OwnStep(nn.TrainOneStepCell):
+        pass
+
+    rng = np.random.default_rng(0)
+    x, y = Tensor(rng.standard_normal((16, 4)).astype(np.float32)), Tensor(rng.integers(0, 3, 16).astype(np.int32))
+    loss_net = _FixedBatchReshape()
+    cell = GradAccumulationCell(loss_net, 4, check_loss=False)
+    step = OwnStep(cell, nn.SGD(loss_net.trainable_params(), 0.1))
+    with pytest.raises(ValueError, match="Reshape|reshape") as caught:
+        step(x, y)
+    head = str(caught.value).split("C++ Call Stack")[0]
+    assert "raised by the network running on a micro-batch, not on the whole batch: micro_size=4 splits the batch " \
+           "of 16 rows into micro-batches of 4 rows (input 0 (x) (16, 4) -> (4, 4)" in head, head[-2000:]
+    assert cell.engine.scaled_loss.record.layout is not None
+
+
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
 def test_validation_error_the_plain_step_raises_too_gets_no_micro_batch_paragraph(mode):
     # int64 labels into nn.CrossEntropyLoss: MindSpore refuses them for the full batch as well, so its message stands

@@ -2,35 +2,36 @@
 
 A network built for a fixed batch size fails inside the micro-batch graph with MindSpore's own message. When a compile
 fails, the micro-batches' rows, micro_size and the fix are added where (1) the failed compile built an engine's graph
-(its mark, _contract.note_engine, cleared at every compile) and (2) the network, run eagerly on the first micro-batch
-(_eager.run_eagerly), fails too (on the first two only: the contract check's pass failed), while (3) it runs on the
-whole batch (an error the plain step raises as well keeps MindSpore's message alone); where the inputs cannot be
-reached, the engine's call of the network must appear in MindSpore's traceback. Anything else, and errors at run time,
-pass through unchanged. Imported only when a compile fails, or the eager pass fails on micro-batch rows.
+(diagnostics.calls: its ``graph_built``, cleared at every compile) and (2) the network, run eagerly on the first
+micro-batch (eager.run_eagerly), fails too (on the first two only: the contract check's pass failed), while (3) it runs
+on the whole batch (an error the plain step raises as well keeps MindSpore's message alone); where the inputs cannot be
+reached, the engine's call of the network must appear in MindSpore's traceback (the layout is then the one the
+engine's compile recorded, ``_engine.CompileRecord``). Anything else, and errors at run time, pass through unchanged.
+Imported only when a compile fails, or the eager pass fails on micro-batch rows.
 """
 from typing import Optional, Tuple
 
 from mindspore import nn
 
 from ms_gradaccum.diagnostics.eager import runs_on
-from ms_gradaccum._microbatch import (SPLIT, assemble, input_kinds, last_layout, micro_batch_rows, plan,
+from ms_gradaccum._microbatch import (SPLIT, assemble, input_kinds, micro_batch_rows, plan,
                                       split_as_compiled)
 
 
-def _split(micro_size: int, engine: Optional[nn.Cell], inputs: Optional[tuple]) -> Tuple[list, tuple, int, list]:
+def _split(micro_size: int, engine: nn.Cell, inputs: Optional[tuple]) -> Tuple[list, tuple, int, list]:
     """``(split inputs as [(index, shape)], names, batch rows, micro-batch rows largest first)`` of `inputs` as
-    `engine` lays them out, or of the layout :func:`plan_inputs` last planned where they are not given."""
-    if engine is not None and inputs is not None:
+    `engine` lays them out, or of the layout its last compile planned where they are not given."""
+    if inputs is not None:
         layout = split_as_compiled(engine, inputs)[3]
         kinds, names = input_kinds(inputs), engine.input_names
     else:
-        kinds, names, layout = last_layout()
+        kinds, names, layout = engine.scaled_loss.record.layout
     split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == SPLIT]
     batch = split[0][1][0]
     return split, names, batch, sorted({rows for _, rows in plan(batch, micro_size)}, reverse=True)
 
 
-def failure_context(cls_name: str, micro_size: int, engine: Optional[nn.Cell] = None, inputs: Optional[tuple] = None,
+def failure_context(cls_name: str, micro_size: int, engine: nn.Cell, inputs: Optional[tuple] = None,
                     check_rows: int = 0) -> str:
     """What an error the network raised on a micro-batch (or on the loss contract's check of `check_rows` rows, the
     first two micro-batches together) is about: the micro-batches' rows, and the fixes. Where `engine` and the owner's
@@ -43,7 +44,7 @@ def failure_context(cls_name: str, micro_size: int, engine: Optional[nn.Cell] = 
     part = (f"the first two micro-batches together ({check_rows} rows, the loss contract's check)" if check_rows
             else "a micro-batch")
     hint = ""
-    if engine is not None and inputs is not None:
+    if inputs is not None:
         hint = engine.contract.shared_input_hint(engine, inputs)
     return (f"For '{cls_name}', the error above was raised by the network running on {part}, not on the whole "
             f"batch: micro_size={micro_size} splits the batch of {batch} rows into micro-batches of "
@@ -96,7 +97,9 @@ def micro_batch_context(error: Exception, owner: Optional[nn.Cell], inputs: tupl
         return failure_context(engine.owner_name, engine.micro_size, engine, inputs)
     if not _network_call_in(str(error), engine):
         return None
-    return failure_context(engine.owner_name, engine.micro_size) if last_layout() is not None else None
+    if engine.scaled_loss.record.layout is None:
+        return None
+    return failure_context(engine.owner_name, engine.micro_size, engine)
 
 
 def _contract_context(engine: nn.Cell, inputs: tuple) -> Optional[str]:
