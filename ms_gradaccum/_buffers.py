@@ -1,9 +1,10 @@
-"""The accumulation buffers, the in-place operations of a step on them, and every divisor (design.md, "Data flow").
+"""The accumulation buffers, every write into them, and every divisor (design.md, "Data flow").
 
 Buffers are ``Parameter``s (``requires_grad=False``) named ``accu_grads.<weight name>``: gradients are added into them
-in place as they are produced, memory accounting that counts Parameters sees them, and checkpoints carry them (what a
-window does with them at its optimizer step is in _window). :func:`normalise` turns the tallies into the loss,
-``rows * value / max(count, floor)``, and the buffers' divisor, ``scale * max(count, floor) / (devices factor * rows)``.
+in place as they are produced, memory accounting that counts Parameters sees them, and checkpoints carry them. Every
+write into them is an operation of this module (the adds, the mean of a batch or window, the clearing).
+:func:`normalise` turns the tallies into the loss, ``rows * value / max(count, floor)``, and the buffers' divisor,
+``scale * max(count, floor) / (devices factor * rows)``.
 """
 from typing import Sequence
 
@@ -14,6 +15,7 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._mindspore.surroundings import own_parameters
 from ms_gradaccum._mindspore.graph import primexpr
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE
+from ms_gradaccum._mindspore.version import AUGMENTED_ASSIGNMENT_IN_PLACE
 from ms_gradaccum._microbatch import plan
 
 GRAD_PREFIX = "accu_grads"
@@ -32,14 +34,6 @@ def count_unit(batch: int, micro_size: int) -> int:
 def unit_of(batch: int, micro_size: int) -> float:
     """:func:`count_unit` while a graph compiles (static shapes), as a float."""
     return float(count_unit(batch, micro_size))
-
-
-class Unsaved:
-    """Holds a Parameter out of the cell tree (``accu_state.*_checked`` flags): not in ``get_parameters()``, so
-    checkpoints do not carry it."""
-
-    def __init__(self, parameter: Parameter):
-        self.parameter = parameter
 
 
 # --- the buffers ----------------------------------------------------------------------------------------------------
@@ -76,19 +70,20 @@ class GradientBuffers(nn.Cell):
 
 
 # --- in-place operations (graph mode: no gradient-sized temporary per weight) ----------------------------------------
+# Every write into the buffers is here: the adds of the micro-batches, the mean of a window or a batch, the clearing.
 # Each is one HyperMap over the buffers (a Python loop over the weights compiles slower, docs/measurements.md); the
 # calls run in the tuple's order, so temporaries exist one at a time.
 
 _HYPER_MAP = ops.HyperMap()
-_add_into = ops.MultitypeFuncGraph("_add_into")
-
 
 # Primitives, not the ops.cast / ops.assign / ops.assign_add functions: one node per weight, not a subgraph each.
 _CAST, _ASSIGN, _ASSIGN_ADD = ops.Cast(), ops.Assign(), ops.AssignAdd()
 
-
+_add_into = ops.MultitypeFuncGraph("_add_into")
 _add_cast_into = ops.MultitypeFuncGraph("_add_cast_into")
-_clear = ops.MultitypeFuncGraph("_clear")
+_zero = ops.MultitypeFuncGraph("_zero")
+_divide = ops.MultitypeFuncGraph("_divide")
+_cast_like = ops.MultitypeFuncGraph("_cast_like")
 
 
 @_add_into.register("Tensor", "Tensor")
@@ -101,9 +96,34 @@ def _add_cast_into_buffer(buffer, grad):
     return _ASSIGN_ADD(buffer, _CAST(grad, buffer.dtype))
 
 
-@_clear.register("Tensor")
-def _clear_buffer(buffer):
-    return _ASSIGN(buffer, ZEROS_LIKE(buffer))
+@_zero.register("Tensor", "Tensor")
+def _zero_buffer(after, buffer):
+    # The data dependency on `after` orders the write after whatever `after` stands for (e.g. the optimizer).
+    return _ASSIGN(buffer, ops.depend(ZEROS_LIKE(buffer), after))
+
+
+@_divide.register("Tensor", "Tensor")
+def _divide_buffer(divisor, buffer):
+    return _in_place(buffer, divisor, divide=True)
+
+
+@_cast_like.register("Tensor", "Tensor")
+def _cast_like_tensor(tensor, like):
+    return _CAST(tensor, like.dtype)
+
+
+def _in_place(buffer, operand, divide: bool):
+    """``buffer / operand`` (or ``*``), `operand` taken in the buffer's dtype, written into the buffer and returned.
+    In graph mode ``/=`` and ``*=`` on a Parameter run in place (InplaceDiv/InplaceMul: no gradient-sized temporary)
+    from MindSpore 2.8 on; before (2.7, _mindspore.version), the result is assigned to the buffer."""
+    operand = _CAST(operand, buffer.dtype)
+    if AUGMENTED_ASSIGNMENT_IN_PLACE:
+        if divide:
+            buffer /= operand
+        else:
+            buffer *= operand
+        return buffer
+    return _ASSIGN(buffer, buffer / operand if divide else buffer * operand)
 
 
 def add_gradients(buffers, grads, after, cast: bool):
@@ -115,16 +135,26 @@ def add_gradients(buffers, grads, after, cast: bool):
 
 
 def multiply_in_place(buffer, numerator, denominator):
-    """``buffer * (numerator / denominator)``, the factor taken in the buffer's dtype, written into the buffer where
-    MindSpore does that in place (graph mode, 2.8 on: no gradient-sized temporary); the product is returned either
-    way, and is what callers use."""
-    buffer *= ops.cast(numerator, buffer.dtype) / ops.cast(denominator, buffer.dtype)
-    return buffer
+    """``buffer * (numerator / denominator)``, the factor taken in the buffer's dtype, written into the buffer and
+    returned (GradientOf's backward: the product is the weight's gradient)."""
+    return _in_place(buffer, _CAST(numerator, buffer.dtype) / _CAST(denominator, buffer.dtype), divide=False)
 
 
-def zero_buffers(buffers):
-    """buffers = 0, in place, in program order; returns the writes (make what follows depend on them)."""
-    return _HYPER_MAP(_clear, buffers)
+def divide_in_place(buffers, divisor):
+    """Each buffer / `divisor` (a scalar Tensor), written into the buffer; returns the buffers (a window's mean).
+    MindSpore drops the divisions when nothing reads the quotients: make what follows depend on them."""
+    return _HYPER_MAP(ops.partial(_divide, divisor), buffers)
+
+
+def zero_buffers(buffers, after):
+    """buffers = 0, in place, in program order, once `after` has been computed; returns `after` made to depend on the
+    writes."""
+    return ops.depend(after, _HYPER_MAP(ops.partial(_zero, after), buffers))
+
+
+def cast_like(tensors, weights):
+    """Each tensor cast to its weight's dtype, for the optimizer."""
+    return _HYPER_MAP(_cast_like, tensors, weights)
 
 
 # --- divisors -------------------------------------------------------------------------------------------------------

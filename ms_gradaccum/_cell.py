@@ -14,7 +14,7 @@ from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
 from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, FoundOnce, Surroundings,
                                                   TrainGradAccuStepCell, data_parallel_in_force,
                                                   parallel_mode)
-from ms_gradaccum._loss_scale import PrecisionNeutral
+from ms_gradaccum._base import PrecisionNeutral
 from ms_gradaccum._kinds import LossKind
 from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._tokens import recognised

@@ -17,7 +17,7 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._buffers import add_gradients, dtypes_match, zero_buffers
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE
-from ms_gradaccum._loss_scale import PrecisionNeutral
+from ms_gradaccum._base import PrecisionNeutral
 from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._tokens import TokenCounter, counting_view
 from ms_gradaccum._validation import readable, warn_batch_norm
@@ -306,7 +306,7 @@ class MicroBatchGradients(PrecisionNeutral):
         if self.overwrite:
             # A fresh sum per batch: the buffers are cleared once, before the loop, so that every micro-batch goes
             # through the same loop body (one copy of the network in the graph) and adds its gradient.
-            totals = (ops.depend(zero, zero_buffers(self.buffers)),) + totals[1:]
+            totals = (zero_buffers(self.buffers, zero),) + totals[1:]
         offset, row_offset = 0, 0
         for split, count, rows in split_batch(inputs, self.micro_size):
             # One loop per micro-batch shape: a batch micro_size divides has one, any other two (sizes differ by 1).

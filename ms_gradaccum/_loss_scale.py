@@ -17,23 +17,13 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time
-from ms_gradaccum._mindspore.surroundings import PRECISION_FLAGS, applied_sens, surroundings_of
+from ms_gradaccum._base import PrecisionNeutral
+from ms_gradaccum._mindspore.surroundings import applied_sens, surroundings_of
 from ms_gradaccum._validation import argument_error, computes_in_float16
 
 SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
                                    "nn.FixedLossScaleUpdateCell",
                    "loss_scale": "None, a positive finite float, or a scalar Tensor or Parameter"}
-
-
-class PrecisionNeutral(nn.Cell):
-    """A cell of the package's machinery, which ``to_float`` (``amp_level`` O2/O3) passes through to the network: a
-    flagged cell would cast the float32 sums and the scale too ("Type Join Failed: Float32, Float16")."""
-
-    def add_flags_recursive(self, **flags):
-        self.add_flags(**{key: value for key, value in flags.items() if key not in PRECISION_FLAGS})
-        for cell in self.cells():
-            cell.add_flags_recursive(**flags)
-        return self
 
 
 def check_scale_value(value: Any, arg_name: str, cls_name: str) -> float:

@@ -17,7 +17,7 @@ from mindspore.parallel.nn import GradAccumulation
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.parallel import batch_axis_splits, scale_left_out
 from ms_gradaccum._mindspore.surroundings import parallel_mode, surroundings_of
-from ms_gradaccum._loss_scale import PrecisionNeutral
+from ms_gradaccum._base import PrecisionNeutral
 from ms_gradaccum._microbatch import input_kinds
 
 _NAME = "GradAccumulationCell"

@@ -7,7 +7,7 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum import _buffers, _window
+from ms_gradaccum import _buffers
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._cell import DataParallelParts, GradAccumulationCell, data_parallel_module
 from ms_gradaccum.diagnostics.calls import CountedCalls, expect_first_compile
@@ -256,9 +256,9 @@ class AccumulatingTrainOneStepCell(CountedCalls, FoundOnce, DataParallelParts, n
             # Summed across devices in the buffers, one after another, then divided in place (times the device count
             # when the reducer averages): no gradient-sized tensor per weight.
             after = self.in_place_reducer(self.grad_sums, divisor)
-            mean = _window.divide_in_place(self.grad_sums, ops.depend(divisor, after) * self.in_place_reducer.devices)
+            mean = _buffers.divide_in_place(self.grad_sums, ops.depend(divisor, after) * self.in_place_reducer.devices)
         else:
-            mean = self.grad_reducer(_window.divide_in_place(self.grad_sums, divisor))
+            mean = self.grad_reducer(_buffers.divide_in_place(self.grad_sums, divisor))
         # The step depends on the quotients: MindSpore drops in-place kernels whose outputs nothing reads.
         overflow = ops.depend(Tensor(False, mstype.bool_), mean)
         if self.loss_scaled:
@@ -272,7 +272,7 @@ class AccumulatingTrainOneStepCell(CountedCalls, FoundOnce, DataParallelParts, n
             stepped = ops.depend(stepped, self._step(mean))
         # A scalar that exists only once the optimizer has run (or was skipped): the resets depend on it.
         done = ops.depend(ops.zeros((), mstype.int32), stepped)
-        done = ops.depend(done, _window.clear(self.grad_sums, done))
+        done = ops.depend(done, _buffers.zero_buffers(self.grad_sums, done))
         return ops.depend(overflow, window.reset(done, window_loss))
 
     def _step(self, mean):
@@ -284,11 +284,11 @@ class AccumulatingTrainOneStepCell(CountedCalls, FoundOnce, DataParallelParts, n
             # read of a Parameter that is read more than once in a graph (TensorMove; under data parallel the
             # all-reduce reads them too): all the copies alive at once (docs/measurements.md).
             read_in_place = self.reduce_in_place and self.buffers_match_weights
-            grads = self.grad_sums if read_in_place else _window.cast_like(self.hyper_map, mean, self.weights)
+            grads = self.grad_sums if read_in_place else _buffers.cast_like(mean, self.weights)
             return self.after_optimizer_step(ops.depend(stepped, self.optimizer(grads)))
         grads, step = self.transform_gradients(mean)
         if step:
-            stepped = ops.depend(stepped, self.optimizer(_window.cast_like(self.hyper_map, grads, self.weights)))
+            stepped = ops.depend(stepped, self.optimizer(_buffers.cast_like(grads, self.weights)))
             stepped = self.after_optimizer_step(stepped)
         return stepped
 

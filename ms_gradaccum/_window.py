@@ -9,8 +9,6 @@ import warnings
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._mindspore.patches import ZEROS_LIKE
-from ms_gradaccum._mindspore.version import AUGMENTED_ASSIGNMENT_IN_PLACE
 from ms_gradaccum._validation import check_positive_int
 
 STATE_PREFIX = "accu_state"   # the window's scalar Parameters: accu_state.<name>
@@ -137,54 +135,3 @@ class StateUnderOptimizer(nn.Cell):
         super().__init__(auto_prefix=False)
         for parameter in parameters:
             self.insert_param_to_cell(parameter.name, parameter, check_name_contain_dot=False)
-
-
-# --- The window's gradient sums at its step: their mean, in place; cast for the optimizer; cleared after it ----------
-# One HyperMap per operation over the buffers, as _buffers adds into them.
-
-_HYPER_MAP = ops.HyperMap()
-_ASSIGN = ops.Assign()
-_zero = ops.MultitypeFuncGraph("_zero")
-_divide = ops.MultitypeFuncGraph("_divide")
-
-
-@_zero.register("Tensor", "Tensor")
-def _zero_buffer(after, buffer):
-    # The data dependency on `after` orders the reset after whatever `after` stands for (e.g. the optimizer).
-    return _ASSIGN(buffer, ops.depend(ZEROS_LIKE(buffer), after))
-
-
-@_divide.register("Tensor", "Tensor")
-def _divide_buffer(divisor, buffer):
-    if AUGMENTED_ASSIGNMENT_IN_PLACE:
-        buffer /= ops.cast(divisor, buffer.dtype)
-        return buffer
-    return ops.assign(buffer, buffer / ops.cast(divisor, buffer.dtype))
-
-
-def divide_in_place(buffers, divisor):
-    """Each buffer / `divisor` (a scalar Tensor), in the buffer's dtype, written into the buffer; returns the buffers.
-
-    In graph mode ``/=`` on a Parameter divides in place (InplaceDiv), so the mean costs no memory; where MindSpore
-    does not (2.7, see _mindspore.version) each buffer is assigned its quotient, one after another. MindSpore drops the
-    divisions when nothing reads the quotients: make what follows depend on them.
-    """
-    return _HYPER_MAP(ops.partial(_divide, divisor), buffers)
-
-
-def clear(buffers, after):
-    """buffers = 0, in place, once `after` has been computed; returns `after` made to depend on the writes."""
-    return ops.depend(after, _HYPER_MAP(ops.partial(_zero, after), buffers))
-
-
-_cast_like = ops.MultitypeFuncGraph("_cast_like")
-
-
-@_cast_like.register("Tensor", "Tensor")
-def _cast_like_tensor(tensor, like):
-    return ops.cast(tensor, like.dtype)
-
-
-def cast_like(hyper_map, tensors, weights):
-    """Each tensor cast to its weight's dtype, for the optimizer."""
-    return hyper_map(_cast_like, tensors, weights)

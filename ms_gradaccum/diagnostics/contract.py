@@ -21,12 +21,11 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._buffers import Unsaved
+from ms_gradaccum._base import PrecisionNeutral, Unsaved
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
 from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.surroundings import parallel_mode
 from ms_gradaccum.diagnostics.eager import run_eagerly, runs_on
-from ms_gradaccum._loss_scale import PrecisionNeutral
 from ms_gradaccum._microbatch import SPLIT, assemble, micro_batch_rows, split_as_compiled
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
