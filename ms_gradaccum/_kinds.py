@@ -155,6 +155,13 @@ def arguments_of(kind: LossKind) -> dict:
     return dict(per_token_loss=kind.returns_count, reduction=reduction, min_count=kind.min_count)
 
 
+def declares_kind(per_token_loss: Optional[bool] = None, reduction: Optional[str] = None,
+                  kind: Optional[LossKind] = None, **_) -> bool:
+    """Whether arguments given say what the loss is (`kind`, `per_token_loss`, or a `reduction` other than the
+    default): then no loss is recognised in the network, and no token-mean warning is given (_tokens)."""
+    return kind is not None or per_token_loss is not None or reduction not in (None, "mean")
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
     """How a loss network is split and what its loss is; `declared`: the kind was given (`kind`, `per_token_loss` or
@@ -196,7 +203,7 @@ class LossSpec:
                     f"For '{cls_name}', the argument 'kind' is {kind!r}, and {', '.join(given)} is given as well: "
                     f"both say what the loss is. Give the kind alone, or these arguments without it.")
             return cls(micro_size, kind, True, shared_inputs, check_loss)
-        declared = per_token_loss is not None or reduction not in (None, "mean")
+        declared = declares_kind(per_token_loss, reduction)
         per_token_loss = False if per_token_loss is None else check_bool(per_token_loss, "per_token_loss", cls_name)
         reduction = "mean" if reduction is None else check_reduction(reduction, cls_name)
         min_count = check_min_count(0.0 if min_count is None else min_count, per_token_loss, cls_name)

@@ -14,7 +14,7 @@ from ms_gradaccum.diagnostics.calls import CountedCalls, expect_first_compile
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, FoundOnce, parallel_mode
-from ms_gradaccum._kinds import LossKind, LossSpec, RowMean
+from ms_gradaccum._kinds import LossKind, LossSpec, RowMean, declares_kind
 from ms_gradaccum._loss_scale import SCALE_EXPECTED, LiveScale, LossScale, check_scale_value
 from ms_gradaccum._tokens import recognised
 from ms_gradaccum._validation import (argument_error, check_cell, check_has_parameters, check_positive_float,
@@ -366,8 +366,7 @@ def _merged(spec: LossSpec, given: dict) -> LossSpec:
                 f"For '{_NAME}', the argument '{name}' is {value!r} but the GradAccumulationCell given as 'network' "
                 f"has {name}={getattr(spec, name)!r}. Give it once: either {_NAME}(loss_net, optimizer, "
                 f"accumulate_steps, {name}=...) or the GradAccumulationCell's.")
-    if given.get("per_token_loss") is not None or given.get("reduction") not in (None, "mean") or \
-            given.get("kind") is not None:
+    if declares_kind(**given):
         changes["declared"] = True
         if spec.kind.counts_in_network and given.get("kind") is None:
             changes["kind"] = RowMean()   # declared a row mean here: the recognised cells are no longer counted

@@ -25,8 +25,8 @@ from ms_gradaccum._base import PrecisionNeutral, Unsaved
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
 from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.surroundings import parallel_mode
-from ms_gradaccum.diagnostics.eager import run_eagerly, runs_on
-from ms_gradaccum._microbatch import SPLIT, assemble, micro_batch_rows, split_as_compiled
+from ms_gradaccum.diagnostics.eager import BatchRows, run_eagerly, runs_on
+from ms_gradaccum._microbatch import SPLIT, assemble, micro_batch_rows
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
 # Relative tolerance of the comparison: float32 reductions in another order; float16 networks round far more.
@@ -147,18 +147,14 @@ class ContractCheck(PrecisionNeutral):
             return None
         if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
             return None
-        split, shared, constants, layout = split_as_compiled(engine, inputs)
-        sizes = micro_batch_rows(split[0].shape[0], self.micro_size)[:2]
+        batch = BatchRows(engine, inputs)
+        sizes = batch.micro_rows[:2]
         if len(sizes) < 2:
             return None
         spans = [(0, sizes[0]), (sizes[0], sizes[0] + sizes[1]), (0, sizes[0] + sizes[1])]
-
-        def part(start, stop):
-            micro = tuple(x if index == whole else x[start:stop] for index, x in enumerate(split))
-            return assemble(micro, shared, constants, layout)
-        calls = [(part(start, stop), ONE, stop - start, ONE) for start, stop in spans]
+        calls = [(batch.rows(start, stop, whole), ONE, stop - start, ONE) for start, stop in spans]
         outputs = run_eagerly(self._scaled_loss, calls)
-        return [(out[1], out[2]) for out in outputs], sizes, (split, shared, constants, layout)
+        return [(out[1], out[2]) for out in outputs], sizes
 
     def _check_eagerly(self, engine: nn.Cell, inputs: tuple) -> None:
         """The check on the eager passes (see :meth:`check_step`): raises on a mismatch, or leaves it to the graph where
@@ -170,7 +166,7 @@ class ContractCheck(PrecisionNeutral):
             return
         if found is None:
             return
-        (first, second, pair), sizes, _ = found
+        (first, second, pair), sizes = found
         self.passed = True
         if not all(np.isfinite(x.asnumpy()).all() for x in first + second):
             return   # a non-finite micro-batch: the engine's own check stops the step, naming it
@@ -190,14 +186,14 @@ class ContractCheck(PrecisionNeutral):
             return
         network = self._scaled_loss.loss_of_inputs.network
         try:
-            split, shared, constants, layout = split_as_compiled(engine, inputs)
-            split_only = runs_on(network, assemble(split, shared, constants, layout))
+            batch = BatchRows(engine, inputs)
+            split_only = runs_on(network, batch.rows(0, batch.batch))
         except Exception:  # pylint: disable=broad-except
             split_only = False
         if split_only:
             # A graph built from it would fail the same way, at compile or only at run time, without the context.
             # The pair's rows where its pass (the last) failed, else a micro-batch's.
-            sizes = micro_batch_rows(split[0].shape[0], self.micro_size)
+            sizes = batch.micro_rows
             pair_rows_run = sizes[0] + sizes[1] if getattr(error, "eager_call", None) == 2 else 0
             from ms_gradaccum.diagnostics.failures import failure_context   # pylint: disable=import-outside-toplevel
             with_context(error, failure_context(self.owner_name, self.micro_size, engine, inputs, pair_rows_run))
@@ -210,12 +206,11 @@ class ContractCheck(PrecisionNeutral):
         """Where giving one split input whole to every micro-batch makes the loss combine: the advice to declare it
         (an input shared by the whole batch whose axis 0 only equals the batch size); _failures asks it too. Tried,
         not guessed: per-row labels of a loss whose normalisation is the problem give no such advice."""
-        layout = split_as_compiled(engine, inputs)[3]
-        for position, (kind, index) in enumerate(layout):
+        for position, (kind, index) in enumerate(BatchRows(engine, inputs).layout):
             if kind != SPLIT or index == 0:
                 continue
             try:
-                (first, second, pair), sizes, _ = self._passes(engine, inputs, whole=index)
+                (first, second, pair), sizes = self._passes(engine, inputs, whole=index)
                 with eager_mode():
                     self._compare(pair[0], pair[1], first[0] + second[0], first[1] + second[1], ONE, sum(sizes),
                                   self.steps)

@@ -2,10 +2,12 @@
 tries behind the error context (_failures) both call :func:`run_eagerly`, which puts the network back as it found it.
 """
 import contextlib
+from typing import Optional
 
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum._mindspore.graph import eager_mode
+from ms_gradaccum._microbatch import assemble, micro_batch_rows, split_as_compiled
 from ms_gradaccum._validation import is_batch_statistic
 
 
@@ -48,6 +50,22 @@ def call_state_kept(network: nn.Cell):
             for key in _plain_state(cell).keys() - attributes.keys():
                 del cell.__dict__[key]
             cell.__dict__.update(attributes)
+
+
+class BatchRows:
+    """The owner's `inputs` as `engine`'s graph splits them, for the passes that run the network on some of the batch's
+    rows (the loss contract's check, the error context's tries): the one place they are split."""
+
+    def __init__(self, engine: nn.Cell, inputs: tuple):
+        self.split, self.shared, self.constants, self.layout = split_as_compiled(engine, inputs)
+        self.batch = self.split[0].shape[0]
+        self.micro_rows = micro_batch_rows(self.batch, engine.micro_size)   # each micro-batch's rows, in order
+
+    def rows(self, start: int, stop: int, whole: Optional[int] = None) -> tuple:
+        """The network's inputs for the batch's rows ``[start, stop)``; the split input `whole` (its index among the
+        split ones), if given, whole."""
+        micro = tuple(x if index == whole else x[start:stop] for index, x in enumerate(self.split))
+        return assemble(micro, self.shared, self.constants, self.layout)
 
 
 def runs_on(network: nn.Cell, args: tuple) -> bool:

@@ -13,8 +13,8 @@ from typing import Optional, Tuple
 
 from mindspore import nn
 
-from ms_gradaccum.diagnostics.eager import runs_on
-from ms_gradaccum._microbatch import (SPLIT, assemble, input_kinds, micro_batch_rows, plan,
+from ms_gradaccum.diagnostics.eager import BatchRows, runs_on
+from ms_gradaccum._microbatch import (SPLIT, input_kinds, micro_batch_rows, plan,
                                       split_as_compiled)
 
 
@@ -59,15 +59,13 @@ def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: Optional[int]) -> O
     """Whether the network fails eagerly on the first `micro_batches` micro-batches of `inputs` (None: on the whole
     batch); None where that cannot be tried."""
     try:
-        split, shared, constants, layout = split_as_compiled(engine, inputs)
-        sizes = micro_batch_rows(split[0].shape[0], engine.micro_size)
+        batch = BatchRows(engine, inputs)
     except Exception:  # pylint: disable=broad-except
         return None
-    if micro_batches is not None and len(sizes) < micro_batches:
+    if micro_batches is not None and len(batch.micro_rows) < micro_batches:
         return None
-    rows = sum(sizes[:micro_batches]) if micro_batches is not None else split[0].shape[0]
-    network = engine.scaled_loss.loss_of_inputs.network
-    return not runs_on(network, assemble(tuple(x[:rows] for x in split), shared, constants, layout))
+    rows = sum(batch.micro_rows[:micro_batches]) if micro_batches is not None else batch.batch
+    return not runs_on(engine.scaled_loss.loss_of_inputs.network, batch.rows(0, rows))
 
 
 def _network_call_in(message: str, engine: nn.Cell) -> bool:
