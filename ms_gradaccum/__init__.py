@@ -10,8 +10,11 @@ from ms_gradaccum._kinds import TokenMean as TokenMean
 from ms_gradaccum._scheduler import GradAccumulationScheduler as GradAccumulationScheduler
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell as AccumulatingTrainOneStepCell
 from ms_gradaccum._token_sum import token_sum_loss as token_sum_loss
+from ms_gradaccum.diagnostics.contract import LossContractReport as LossContractReport
+from ms_gradaccum.diagnostics.contract import check_loss_contract as check_loss_contract
 
 __version__ = "0.3.0"
 
 __all__ = ["AccumulatingTrainOneStepCell", "EquivalenceReport", "GradAccumulationCell", "GradAccumulationScheduler",
-           "LossKind", "RowMean", "RowSum", "TokenMean", "__version__", "check_equivalence", "token_sum_loss"]
+           "LossContractReport", "LossKind", "RowMean", "RowSum", "TokenMean", "__version__", "check_equivalence",
+           "check_loss_contract", "token_sum_loss"]

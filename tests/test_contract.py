@@ -627,3 +627,55 @@ def test_contract_sample_weighted_mean_is_stopped_on_a_later_step():
     expected, _, initial = _train(SampleWeightedMean, nn.TrainOneStepCell, batches)
     control, _, _ = _train(SampleWeightedMean, _cell(check_loss=False), batches)
     assert max(update_ratios(control, expected, initial).values()) > 0.01
+
+
+def test_contract_public_check_on_a_batch_of_ones_choosing():
+    # check_loss_contract runs the cells' check eagerly on any batch: a masked mean passes on the all-ones batch (a row
+    # mean there) and stops on a ragged one, with the cells' message and route; nothing is trained or compiled.
+    from ms_gradaccum import LossContractReport, RowMean, check_loss_contract   # pylint: disable=C0415
+    uniform, ragged = _masked_batches(2, ragged_from=1)
+    net = make_mlp()
+    before = params_of(net)
+    report = check_loss_contract(MaskedMean(net), tuple(Tensor(a) for a in uniform), K)
+    assert isinstance(report, LossContractReport) and report.kind == RowMean() and report.rows == (8, 8)
+    assert abs(report.ratio - 1.0) < 1e-5 and np.isfinite(report.measured)
+    with pytest.raises(ValueError, match=r"does not combine over micro-batches .* on this batch, its loss on the first "
+                                         r"two micro-batches together \(16 rows\) .*return \(loss_sum, count\) and "
+                                         r"pass per_token_loss=True"):
+        check_loss_contract(MaskedMean(net), tuple(Tensor(a) for a in ragged), K)
+    # An empty micro-batch (0/0) is named as non-finite, not compared.
+    empty = _masked_batches(1, ragged_from=5, empty=True)[0]
+    with pytest.raises(ValueError, match=r"non-finite loss or count"):
+        check_loss_contract(MaskedMean(net), tuple(Tensor(a) for a in empty), K)
+    assert all(np.array_equal(value, before[name]) for name, value in params_of(net).items())
+
+
+def test_contract_public_check_counts_a_recognised_loss_and_compares_a_declared_kind():
+    # nn.CrossEntropyLoss(ignore_index=-100) with ignored labels spread unevenly: recognised and counted (exact), as
+    # the cells do without a declaration; declared a row mean, the same batch does not combine.
+    from ms_gradaccum import RowMean, check_loss_contract   # pylint: disable=C0415
+    x, y = classification_batches(1, 32)[0]
+    y = y.copy()
+    y[8:14] = -100   # 6 of micro-batch 1's 8 labels ignored
+    loss_net = nn.WithLossCell(make_mlp(), nn.CrossEntropyLoss(ignore_index=-100))
+    report = check_loss_contract(loss_net, (Tensor(x), Tensor(y)), K)
+    assert type(report.kind).__name__ == "CountedMean" and abs(report.ratio - 1.0) < 1e-5
+    with pytest.raises(ValueError, match=r"does not combine .* on this batch"):
+        check_loss_contract(loss_net, (Tensor(x), Tensor(y)), K, kind=RowMean())
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (dict(micro_size=1), ValueError, r"For 'check_loss_contract', the argument 'micro_size' must be at least 2, but "
+                                     r"got 1"),
+    (dict(micro_size=0), ValueError, r"For 'check_loss_contract', the argument 'micro_size' must be a positive int"),
+    (dict(inputs=None), TypeError, r"For 'check_loss_contract', the argument 'inputs' must be a non-empty tuple"),
+    (dict(kind="mean"), TypeError, r"For 'check_loss_contract', the argument 'kind' must be None or an "
+                                   r"ms_gradaccum.LossKind"),
+])
+def test_contract_public_check_refuses_bad_arguments(args, error, match):
+    from ms_gradaccum import check_loss_contract   # pylint: disable=C0415
+    x, y = classification_batches(1, 32)[0]
+    given = dict(loss_net=nn.WithLossCell(make_mlp(), ce()), inputs=(Tensor(x), Tensor(y)), micro_size=K)
+    given.update(args)
+    with pytest.raises(error, match=match):
+        check_loss_contract(**given)
