@@ -1,12 +1,13 @@
 """The micro-batch engine both cells own: forward and backward once per micro-batch, in turn, gradients added in place.
 
-Contract: ``engine(inputs, shared, constants, layout, scale, unit, key) -> (value, count, loss_like)``. `inputs` is
-split along axis 0 into ``micro_size`` micro-batches (`shared` and `constants` passed whole, in their places per
-`layout`); each runs forward and backward once on its loss times ``scale * weight`` (the kind's tally, `unit` its
-count unit), adding its gradients into the buffers of the owner's weights (:meth:`targets`) as the backward produces
-them. One loop body, so the graph holds one copy of the network per micro-batch shape (two for an uneven split).
-``value`` and ``count`` are the float32 sums the owner normalises with the kind; ``loss_like`` has the network's loss
-shape (``()`` or ``(1,)``); `key` names the trained weights, so that PyNative mode compiles again when they change.
+Contract: ``engine(inputs, shared, constants, layout, scale, count_unit, key) -> (value, count, loss_like)``. `inputs`
+is split along axis 0 into ``micro_size`` micro-batches (`shared` and `constants` passed whole, in their places per
+`layout`); each runs forward and backward once on its loss times ``scale * weight`` (the kind's tally; `count_unit`:
+the rows of the largest micro-batch), adding its gradients into the buffers of the owner's weights (:meth:`targets`)
+as the backward produces them. One loop body, so the graph holds one copy of the network per micro-batch shape (two
+for an uneven split). ``value`` and ``count`` are the float32 sums the owner normalises with the kind; ``loss_like``
+has the network's loss shape (``()`` or ``(1,)``); `key` names the trained weights, so that PyNative mode compiles
+again when they change.
 """
 from typing import Callable
 
@@ -22,7 +23,7 @@ from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._tokens import TokenCounter, counting_view
 from ms_gradaccum._validation import readable, warn_batch_norm
 from ms_gradaccum.diagnostics.contract import ContractCheck
-from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, input_kinds, input_names,
+from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, input_shapes, input_names,
                                       micro_batch, partition, plan_inputs, split_batch)
 
 
@@ -47,7 +48,7 @@ class CompileRecord:
 
     def __init__(self):
         self.loss_shape = None
-        self.layout = None   # (input kinds, input names, layout)
+        self.layout = None   # (input shapes, input names, layout)
 
 
 @primexpr
@@ -63,9 +64,9 @@ def recorded_loss_shape(record: CompileRecord, after: tuple) -> tuple:
 
 
 @primexpr
-def record_layout(record: CompileRecord, kinds: tuple, names: tuple, layout: tuple) -> tuple:
+def record_layout(record: CompileRecord, shapes: tuple, names: tuple, layout: tuple) -> tuple:
     """Keeps the inputs' layout on `record` and returns it."""
-    record.layout = (kinds, names, layout)
+    record.layout = (shapes, names, layout)
     return layout
 
 
@@ -95,7 +96,7 @@ class ScaledLoss(PrecisionNeutral):
     def counted_calls(self):
         return self._counter.calls
 
-    def construct(self, inputs, scale, rows, unit):
+    def construct(self, inputs, scale, rows, count_unit):
         calls = Tensor(1.0, mstype.float32)
         if self.counts_in_network:
             zero = Tensor(0.0, mstype.float32)
@@ -123,7 +124,7 @@ class ScaledLoss(PrecisionNeutral):
         # A single-element loss of shape (1,) is tallied as a scalar; its shape goes back to the owner (loss_like).
         scalar = loss.sum()
         scalar = ops.depend(scalar, record_loss_shape(self.record, loss.shape))
-        weight, value, count = self.kind.tally(ops.stop_gradient(scalar), ops.stop_gradient(count), rows, unit,
+        weight, value, count = self.kind.tally(ops.stop_gradient(scalar), ops.stop_gradient(count), rows, count_unit,
                                                inputs)
         factor = ops.stop_gradient(scale * weight)
         return scalar * factor, ops.stop_gradient(value), ops.stop_gradient(count), ops.stop_gradient(calls)
@@ -189,9 +190,9 @@ class MicroBatchGradients(PrecisionNeutral):
     def split_inputs(self, inputs):
         """``(split, shared, constants, layout)`` of the network's inputs, for :meth:`construct`: Tensors are split
         along axis 0 unless declared in ``shared_inputs`` or 0-d; None and Python numbers are passed as they are."""
-        kinds = input_kinds(inputs)
-        layout = record_layout(self.scaled_loss.record, kinds, self.input_names,
-                               plan_inputs(self.owner_name, kinds, self.shared_inputs, self.input_names,
+        shapes = input_shapes(inputs)
+        layout = record_layout(self.scaled_loss.record, shapes, self.input_names,
+                               plan_inputs(self.owner_name, shapes, self.shared_inputs, self.input_names,
                                            self.micro_size))
         split, shared, constants = partition(inputs, layout)
         return ms.mutable(split), ms.mutable(shared) if shared else shared, constants, layout
@@ -216,8 +217,8 @@ class MicroBatchGradients(PrecisionNeutral):
         gradient cast before it is added."""
         return not dtypes_match(*self._targets())
 
-    def _value_and_grads(self, micro, scale, rows, unit):
-        return ms.value_and_grad(self.scaled_loss, None, self.weights)(micro, scale, rows, unit)
+    def _value_and_grads(self, micro, scale, rows, count_unit):
+        return ms.value_and_grad(self.scaled_loss, None, self.weights)(micro, scale, rows, count_unit)
 
     @staticmethod
     def _micro_inputs(split, i, others):
@@ -244,13 +245,13 @@ class MicroBatchGradients(PrecisionNeutral):
                 ops.select(first_bad, row, bad_first), ops.select(first_bad, row + (rows - 1), bad_last),
                 ops.maximum(any_finite, ops.cast(ok, mstype.float32)), ops.maximum(calls, out[3]))
 
-    def _accumulate(self, split, others, stop, totals, scale, rows, unit, offset, row_offset):
+    def _accumulate(self, split, others, stop, totals, scale, rows, count_unit, offset, row_offset):
         # A while loop over a Tensor counter compiles once and runs the micro-batches strictly in turn (each one's
         # activations freed before the next). The tallies travel as one float32 vector (docs/measurements.md).
         i = Tensor(0, mstype.int32)
         packed = ops.stack(totals)
         while i < stop:
-            out, grads = self._value_and_grads(self._micro_inputs(split, i, others), scale, rows, unit)
+            out, grads = self._value_and_grads(self._micro_inputs(split, i, others), scale, rows, count_unit)
             totals = self._tally(out, _unpack(packed), i + offset, i * rows + row_offset, rows)
             value = add_gradients(self.buffers, grads, totals[0], self.adds_with_cast)
             packed = ops.stack((value,) + totals[1:])
@@ -297,7 +298,7 @@ class MicroBatchGradients(PrecisionNeutral):
     # Compiled as a graph in PyNative mode too: there, a cell with a custom bprop runs its construct under
     # no_grad, where eager gradients are refused, and an eager loop would not free memory per micro-batch.
     @ms.jit
-    def construct(self, inputs, shared, constants, layout, scale, unit, key):
+    def construct(self, inputs, shared, constants, layout, scale, count_unit, key):
         others = (shared, constants, layout)
         zero = Tensor(0.0, mstype.float32)
         none = Tensor(-1.0, mstype.float32)
@@ -310,7 +311,7 @@ class MicroBatchGradients(PrecisionNeutral):
         offset, row_offset = 0, 0
         for split, count, rows in split_batch(inputs, self.micro_size):
             # One loop per micro-batch shape: a batch micro_size divides has one, any other two (sizes differ by 1).
-            totals = self._accumulate(split, others, count, totals, scale, rows, unit, offset, row_offset)
+            totals = self._accumulate(split, others, count, totals, scale, rows, count_unit, offset, row_offset)
             offset += count
             row_offset += count * rows
         value, count_total, smallest, finite, pair_value, pair_count, bad, bad_first, bad_last, any_finite, calls = \
@@ -321,17 +322,17 @@ class MicroBatchGradients(PrecisionNeutral):
             value = ops.depend(value, self._check_calls(calls))
         if not self.skips_non_finite:
             value = ops.depend(value, self._check_finite(bad, bad_first, bad_last, any_finite, row_offset))
-        value = self.contract(inputs, others, pair_value, pair_count, unit, value)
+        value = self.contract(inputs, others, pair_value, pair_count, count_unit, value)
         loss_like = ops.zeros(recorded_loss_shape(self.scaled_loss.record, value.shape), mstype.float32)
         return value, count_total, loss_like
 
-    def bprop(self, inputs, shared, constants, layout, scale, unit, key, out, dout):
+    def bprop(self, inputs, shared, constants, layout, scale, count_unit, key, out, dout):
         zeros, shared_zeros = (), ()
         for x in inputs:
             zeros += (ZEROS_LIKE(x),)
         for x in shared:
             shared_zeros += (ZEROS_LIKE(x),)
-        return zeros, shared_zeros, 0, 0, ZEROS_LIKE(scale), ZEROS_LIKE(unit), 0
+        return zeros, shared_zeros, 0, 0, ZEROS_LIKE(scale), ZEROS_LIKE(count_unit), 0
 
 
 def warn_where_inexact(network: nn.Cell, cls_name: str, splits: list) -> None:

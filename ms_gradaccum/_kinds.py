@@ -51,28 +51,32 @@ class LossKind:
     description = "a loss of its own kind"
     setting = "kind=..."
 
-    def tally(self, loss, count, rows, unit, inputs):
+    def tally(self, loss, count, rows, count_unit, inputs):
         """``(weight, value, count)`` of one micro-batch of `rows` rows (an int) whose network returned the float32
-        scalars `loss` and `count`; `unit` is the count unit (a float32 scalar), `inputs` the micro-batch's inputs."""
+        scalars `loss` and `count`; `count_unit` is the rows of the largest micro-batch (a float32 scalar), the unit in
+        which a row mean counts its rows (evenly split micro-batches count 1 each); `inputs` are the micro-batch's
+        inputs."""
         raise NotImplementedError
 
-    def rows_factor(self, count, unit, rows):
+    def rows_factor(self, count, count_unit, rows):
         """What the normalised value is multiplied by: 1 for a mean (the default)."""
         return Tensor(1.0, mstype.float32)
 
-    def normalise(self, scale, value, count, factor, rows, unit):
+    def normalise(self, scale, value, count, devices_factor, rows, count_unit):
         """``(loss, divisor)`` from a batch's or window's sums (``_buffers.normalise``); `rows` are its rows (an int
-        or a float32 scalar), `factor` the devices factor of ``_parallel.TokenTotals``."""
-        return _buffers.normalise(scale, value, count, factor, self.min_count, self.rows_factor(count, unit, rows))
+        or a float32 scalar); `devices_factor` is what ``_parallel.TokenTotals`` gives under data parallel (1
+        elsewhere)."""
+        return _buffers.normalise(scale, value, count, devices_factor, self.min_count,
+                                  self.rows_factor(count, count_unit, rows))
 
     def empty(self, count):
         """Whether a window with this total count has nothing to learn from (its step is skipped)."""
         return ops.maximum(count, self.min_count) <= 0
 
-    def compared(self, value, count, rows, unit):
+    def compared(self, value, count, rows, count_unit):
         """What the first step's check compares between the network's loss on two micro-batches together and the
         combination of their own (the first is the one the message quotes)."""
-        return (self.normalise(Tensor(1.0, mstype.float32), value, count, 1.0, rows, unit)[0],)
+        return (self.normalise(Tensor(1.0, mstype.float32), value, count, 1.0, rows, count_unit)[0],)
 
     def __eq__(self, other):
         return type(self) is type(other) and vars(self) == vars(other)
@@ -91,24 +95,24 @@ class RowMean(LossKind):
     description = "a mean over the rows it is given (the default)"
     setting = "reduction='mean'"
 
-    def tally(self, loss, count, rows, unit, inputs):
-        weight = rows / unit
+    def tally(self, loss, count, rows, count_unit, inputs):
+        weight = rows / count_unit
         return weight, loss * weight, weight
 
 
 @ms.jit_class
 class RowSum(LossKind):
     """A sum over the rows (or a mean times their number): counted in rows like a mean, but its value and gradient
-    taken per row unit, and the result multiplied by the rows (``count * unit``)."""
+    taken per count unit, and the result multiplied by the rows (``count * count_unit``)."""
     description = "a sum over the rows (reduction='sum')"
     setting = "reduction='sum'"
 
-    def tally(self, loss, count, rows, unit, inputs):
-        per_unit = 1.0 / unit
-        return per_unit, loss * per_unit, rows / unit
+    def tally(self, loss, count, rows, count_unit, inputs):
+        per_unit = 1.0 / count_unit
+        return per_unit, loss * per_unit, rows / count_unit
 
-    def rows_factor(self, count, unit, rows):
-        return count * unit
+    def rows_factor(self, count, count_unit, rows):
+        return count * count_unit
 
 
 @ms.jit_class
@@ -125,10 +129,10 @@ class TokenMean(LossKind):
         self.min_count = float(min_count)
         self.times_rows = times_rows
 
-    def tally(self, loss, count, rows, unit, inputs):
+    def tally(self, loss, count, rows, count_unit, inputs):
         return Tensor(1.0, mstype.float32), loss, count
 
-    def rows_factor(self, count, unit, rows):
+    def rows_factor(self, count, count_unit, rows):
         if not self.times_rows:
             return Tensor(1.0, mstype.float32)
         if isinstance(rows, int):
@@ -137,7 +141,7 @@ class TokenMean(LossKind):
         # MindSpore 2.7.0 ran into an Assign without a device address ("input_data does not have a valid ptr").
         return ops.cast(rows, mstype.float32) * 1.0
 
-    def compared(self, value, count, rows, unit):
+    def compared(self, value, count, rows, count_unit):
         return _buffers.mean_loss(value, count), value, count
 
 

@@ -9,7 +9,6 @@ from mindspore import ops, Tensor
 
 from ms_gradaccum._mindspore.graph import primexpr
 
-# The layout of the inputs last split (kinds, names, layout), for errors the network raises (_failures).
 def plan(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
     """``((count, rows), ...)``: micro-batches as even as possible, ``batch = sum(count * rows)``; one entry when
     ``micro_size`` divides ``batch``, else two (the larger first). A smaller batch gives micro-batches of one row."""
@@ -26,7 +25,8 @@ def planned(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
     return plan(batch, micro_size)
 
 
-# How each input of the network reaches the micro-batches (the layout, decided when the graph compiles).
+# The role of each input of the network, how it reaches the micro-batches (the layout: ((role, index), ...),
+# decided when the graph compiles).
 SPLIT, SHARED, CONSTANT = 0, 1, 2
 
 
@@ -43,28 +43,28 @@ def _label(index: int, names: tuple) -> str:
     return f"input {index} ('{names[index]}')" if index < len(names) else f"input {index}"
 
 
-def input_kinds(inputs: tuple) -> tuple:
+def input_shapes(inputs: tuple) -> tuple:
     """Per input: its shape if it is a Tensor, else None (None, a Python number: passed to every micro-batch as is)."""
-    kinds = ()
+    shapes = ()
     for x in inputs:
         if isinstance(x, Tensor):
-            kinds += (x.shape,)
+            shapes += (x.shape,)
         else:
-            kinds += (None,)
-    return kinds
+            shapes += (None,)
+    return shapes
 
 
-def _axis_hint(kinds: tuple, names: tuple, first: int, index: int) -> str:
+def _axis_hint(shapes: tuple, names: tuple, first: int, index: int) -> str:
     """The fix for split inputs whose axis 0 differs: an axis 0 of 1 is an input shared by the whole batch (position
     ids of shape (1, T)); an input holding the other's batch size on another axis has its batch axis there (a
     time-major sequence (T, B, ...))."""
     for one in (index, first):
-        if kinds[one][0] == 1:
+        if shapes[one][0] == 1:
             return (f" If {_label(one, names)} is shared by the whole batch rather than one row per sample (e.g. "
                     f"position ids of shape (1, T)), declare it: shared_inputs=({one},).")
     for one, other in ((first, index), (index, first)):
-        if kinds[other][0] in kinds[one][1:]:
-            axis = kinds[one][1:].index(kinds[other][0]) + 1
+        if shapes[other][0] in shapes[one][1:]:
+            axis = shapes[one][1:].index(shapes[other][0]) + 1
             return (f" If the batch axis of {_label(one, names)} is axis {axis} (a time-major sequence of shape (T, B, "
                     f"...)), give it batch-major: the cell splits every input along axis 0 (e.g. x.swapaxes(0, "
                     f"{axis}), with the network reading it so).")
@@ -73,24 +73,24 @@ def _axis_hint(kinds: tuple, names: tuple, first: int, index: int) -> str:
 
 
 @primexpr
-def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple, micro_size: int) -> tuple:
-    """``((kind, index), ...)`` per input: SPLIT along axis 0 (the index among the split inputs), SHARED (a Tensor every
+def plan_inputs(cls_name: str, shapes: tuple, shared_inputs: tuple, names: tuple, micro_size: int) -> tuple:
+    """``((role, index), ...)`` per input: SPLIT along axis 0 (the index among the split inputs), SHARED (a Tensor every
     micro-batch receives whole: declared in `shared_inputs`, or 0-d) or CONSTANT (None, a Python number). Refuses,
     when the graph compiles, a declaration out of range, no input to split, and split inputs whose axis 0 differs
     or is missing, empty or dynamic, naming the input."""
     for index in shared_inputs:
-        if index >= len(kinds):
+        if index >= len(shapes):
             raise ValueError(
                 f"For '{cls_name}', the argument 'shared_inputs' names input {index}, but the network was called with "
-                f"{len(kinds)} input(s) (indices 0 to {len(kinds) - 1}).")
+                f"{len(shapes)} input(s) (indices 0 to {len(shapes) - 1}).")
     layout, counts, first = (), [0, 0, 0], None
-    for index, shape in enumerate(kinds):
+    for index, shape in enumerate(shapes):
         if shape is None:
-            kind = CONSTANT
+            role = CONSTANT
         elif index in shared_inputs or not shape:
-            kind = SHARED
+            role = SHARED
         else:
-            kind = SPLIT
+            role = SPLIT
             if shape[0] < 0:
                 raise ValueError(
                     f"For '{cls_name}', {_label(index, names)} has a dynamic batch size (shape {shape}); the batch "
@@ -100,13 +100,13 @@ def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple,
                                  f"is nothing to train on.")
             if first is None:
                 first = index
-            elif shape[0] != kinds[first][0]:
+            elif shape[0] != shapes[first][0]:
                 raise ValueError(
                     f"For '{cls_name}', all inputs split into micro-batches must have the same batch size (axis 0), "
-                    f"but {_label(first, names)} has shape {kinds[first]} and {_label(index, names)} has shape "
-                    f"{shape}.{_axis_hint(kinds, names, first, index)}")
-        layout += ((kind, counts[kind]),)
-        counts[kind] += 1
+                    f"but {_label(first, names)} has shape {shapes[first]} and {_label(index, names)} has shape "
+                    f"{shape}.{_axis_hint(shapes, names, first, index)}")
+        layout += ((role, counts[role]),)
+        counts[role] += 1
     if first is None:
         raise ValueError(
             f"For '{cls_name}', no input can be split into micro_size={micro_size} micro-batches: every input is a "
@@ -118,19 +118,19 @@ def plan_inputs(cls_name: str, kinds: tuple, shared_inputs: tuple, names: tuple,
 @primexpr
 def all_split(layout: tuple) -> bool:
     """Whether every input is split (the common case: the inputs pass as they are, no tuple building in the graph)."""
-    return all(kind == SPLIT for kind, _ in layout)
+    return all(role == SPLIT for role, _ in layout)
 
 
 def partition(inputs: tuple, layout: tuple) -> Tuple[tuple, tuple, tuple]:
-    """``(split, shared, constants)``: the inputs by their kind in `layout`, each in order."""
+    """``(split, shared, constants)``: the inputs by their role in `layout`, each in order."""
     if all_split(layout):
         return inputs, (), ()
     split, shared, constants = (), (), ()
     for position in range(len(layout)):
-        kind = layout[position][0]
-        if kind == SPLIT:
+        role = layout[position][0]
+        if role == SPLIT:
             split += (inputs[position],)
-        elif kind == SHARED:
+        elif role == SHARED:
             shared += (inputs[position],)
         else:
             constants += (inputs[position],)
@@ -142,10 +142,10 @@ def assemble(micro: tuple, shared: tuple, constants: tuple, layout: tuple) -> tu
     if all_split(layout):
         return micro
     args = ()
-    for kind, index in layout:
-        if kind == SPLIT:
+    for role, index in layout:
+        if role == SPLIT:
             args += (micro[index],)
-        elif kind == SHARED:
+        elif role == SHARED:
             args += (shared[index],)
         else:
             args += (constants[index],)
@@ -227,7 +227,7 @@ def micro_batch_rows(batch: int, micro_size: int) -> list:
 
 def split_as_compiled(engine, inputs: tuple) -> tuple:
     """``(split, shared, constants, layout)`` of the owner's `inputs`, laid out as `engine`'s graph lays them out."""
-    layout = plan_inputs(engine.owner_name, input_kinds(inputs), engine.shared_inputs, engine.input_names,
+    layout = plan_inputs(engine.owner_name, input_shapes(inputs), engine.shared_inputs, engine.input_names,
                          engine.micro_size)
     return partition(inputs, layout) + (layout,)
 

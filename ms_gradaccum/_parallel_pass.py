@@ -18,7 +18,7 @@ from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.parallel import batch_axis_splits, scale_left_out
 from ms_gradaccum._mindspore.surroundings import parallel_mode, surroundings_of
 from ms_gradaccum._base import PrecisionNeutral
-from ms_gradaccum._microbatch import input_kinds
+from ms_gradaccum._microbatch import input_shapes
 
 _NAME = "GradAccumulationCell"
 
@@ -120,7 +120,7 @@ class ParallelPassAccumulation(PrecisionNeutral):
 
     def construct(self, *inputs):
         # Before the markers, whose own check would raise MindSpore's message (global rows only) from inside them.
-        check_parallel_pass_batch(input_kinds(inputs), self.batch_splits, self.micro_size, self.mode)
+        check_parallel_pass_batch(input_shapes(inputs), self.batch_splits, self.micro_size, self.mode)
         total = ops.cast(self.markers(*inputs), mstype.float32)
         scaled = total * self.left_out_scale
         # Value: the mean loss (what LossMonitor shows); gradient: that of the scaled sum.

@@ -46,8 +46,8 @@ class CountedMean(LossKind):
     def __init__(self, cells: tuple):
         self.cells = tuple(cells)
 
-    def tally(self, loss, count, rows, unit, inputs):
-        weight = count / unit
+    def tally(self, loss, count, rows, count_unit, inputs):
+        weight = count / count_unit
         return weight, loss * weight, weight
 
 

@@ -21,7 +21,7 @@ class WeightedRowMean(LossKind):
     def __init__(self, weights_input: int):
         self.weights_input = weights_input
 
-    def tally(self, loss, count, rows, unit, inputs):
+    def tally(self, loss, count, rows, count_unit, inputs):
         weight = ops.cast(inputs[self.weights_input], mstype.float32).sum()
         return weight, loss * weight, weight
 

@@ -208,8 +208,8 @@ class ContractCheck(PrecisionNeutral):
         """Where giving one split input whole to every micro-batch makes the loss combine: the advice to declare it
         (an input shared by the whole batch whose axis 0 only equals the batch size); _failures asks it too. Tried,
         not guessed: per-row labels of a loss whose normalisation is the problem give no such advice."""
-        for position, (kind, index) in enumerate(BatchRows(engine, inputs).layout):
-            if kind != SPLIT or index == 0:
+        for position, (role, index) in enumerate(BatchRows(engine, inputs).layout):
+            if role != SPLIT or index == 0:
                 continue
             try:
                 (first, second, pair), sizes = self._passes(engine, inputs, whole=index)
@@ -232,12 +232,12 @@ class ContractCheck(PrecisionNeutral):
             return ops.logical_not(ops.logical_and(ratio <= NOISY_BAND, ratio >= 1 / NOISY_BAND))
         return ops.logical_not(ops.abs(measured - predicted) <= self.rtol * ops.abs(predicted) + ATOL)
 
-    def _compare(self, value, count, pair_value, pair_count, unit, rows, step, where="on step "):
+    def _compare(self, value, count, pair_value, pair_count, count_unit, rows, step, where="on step "):
         """Raises where the network's `value` and `count` on the pair's `rows` together do not match its tallies of the
         two micro-batches, `pair_value` and `pair_count` (eagerly, and in the graph where it runs the pass), all in
         count units `unit`; returns whether they differ (False). The message says where: ``where + step``."""
-        measured = self.kind.compared(value, count, rows, unit)
-        predicted = self.kind.compared(pair_value, pair_count, rows, unit)
+        measured = self.kind.compared(value, count, rows, count_unit)
+        predicted = self.kind.compared(pair_value, pair_count, rows, count_unit)
         bad = self._mismatch(measured[0], predicted[0])
         for one, other in zip(measured[1:], predicted[1:]):
             bad = ops.logical_or(bad, self._mismatch(one, other))
@@ -253,7 +253,7 @@ class ContractCheck(PrecisionNeutral):
                 f"a normalisation over the batch).{self.noise} {routes(self.kind)}")
         return bad
 
-    def construct(self, split, others, pair_value, pair_count, unit, after):
+    def construct(self, split, others, pair_value, pair_count, count_unit, after):
         """Where the check could not run eagerly: on the steps due, the pass on the pair inside the graph, compared with
         the loop's tallies (`after` is returned, made to depend on it)."""
         if self.in_graph:
@@ -267,8 +267,9 @@ class ContractCheck(PrecisionNeutral):
                     for x in split:
                         pair += (x[:rows],)
                     out = self.scaled_loss_cell(assemble(pair, shared, constants, layout), Tensor(1.0, mstype.float32),
-                                                rows, unit)
-                    after = ops.depend(after, self._compare(out[1], out[2], pair_value, pair_count, unit, rows, step))
+                                                rows, count_unit)
+                    after = ops.depend(after, self._compare(out[1], out[2], pair_value, pair_count, count_unit, rows,
+                                                            step))
         return after
 
     @compile_time

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 from mindspore import nn
 
 from ms_gradaccum.diagnostics.eager import BatchRows, runs_on
-from ms_gradaccum._microbatch import (SPLIT, input_kinds, micro_batch_rows, plan,
+from ms_gradaccum._microbatch import (SPLIT, input_shapes, micro_batch_rows, plan,
                                       split_as_compiled)
 
 
@@ -23,10 +23,10 @@ def _split(micro_size: int, engine: nn.Cell, inputs: Optional[tuple]) -> Tuple[l
     `engine` lays them out, or of the layout its last compile planned where they are not given."""
     if inputs is not None:
         layout = split_as_compiled(engine, inputs)[3]
-        kinds, names = input_kinds(inputs), engine.input_names
+        shapes, names = input_shapes(inputs), engine.input_names
     else:
-        kinds, names, layout = engine.scaled_loss.record.layout
-    split = [(index, shape) for index, (shape, (kind, _)) in enumerate(zip(kinds, layout)) if kind == SPLIT]
+        shapes, names, layout = engine.scaled_loss.record.layout
+    split = [(index, shape) for index, (shape, (role, _)) in enumerate(zip(shapes, layout)) if role == SPLIT]
     batch = split[0][1][0]
     return split, names, batch, sorted({rows for _, rows in plan(batch, micro_size)}, reverse=True)
 
