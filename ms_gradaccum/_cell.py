@@ -15,8 +15,7 @@ from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NA
                                                   TrainGradAccuStepCell, data_parallel_in_force,
                                                   parallel_mode)
 from ms_gradaccum._base import PrecisionNeutral
-from ms_gradaccum._kinds import LossKind
-from ms_gradaccum._kinds import LossSpec
+from ms_gradaccum._kinds import LossKind, LossSpec, SpecFields
 from ms_gradaccum._tokens import recognised
 from ms_gradaccum._validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
                                       foreign_optimizer_error, is_batch_statistic, no_trained_weights_error,
@@ -113,7 +112,7 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
             f"bprop.")
 
 
-class GradAccumulationCell(CountedCalls, FoundOnce, DataParallelParts, PrecisionNeutral):
+class GradAccumulationCell(CountedCalls, FoundOnce, DataParallelParts, SpecFields, PrecisionNeutral):
     r"""
     Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
 
@@ -188,10 +187,6 @@ class GradAccumulationCell(CountedCalls, FoundOnce, DataParallelParts, Precision
         super().__init__(auto_prefix=False)
         self.network = network
         self.spec = spec
-        # The spec's fields by name, for the graph and for readers (constants: the spec is frozen).
-        self.micro_size, self.kind, self.shared_inputs = spec.micro_size, spec.kind, spec.shared_inputs
-        self.per_token_loss, self.reduction, self.min_count = spec.per_token_loss, spec.reduction, spec.min_count
-        self.check_loss = spec.check_loss
         self.explicit_loss_scale = loss_scale is not None
         self.loss_scale = scale
         object.__setattr__(self, "_explicit_weights", weights)   # a plain tuple: the weights stay the network's

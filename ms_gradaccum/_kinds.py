@@ -21,6 +21,7 @@ from mindspore import ops, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers
+from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._validation import (argument_error, check_bool, check_input_indices, check_min_count,
                                       check_positive_int, check_reduction)
 
@@ -213,3 +214,43 @@ class LossSpec:
         min_count = check_min_count(0.0 if min_count is None else min_count, per_token_loss, cls_name)
         return cls(micro_size, of_arguments(per_token_loss, reduction, min_count), declared, shared_inputs,
                    check_loss)
+
+
+class SpecFields:
+    """Mixed into the cells, which hold their :class:`LossSpec` as ``self.spec``: its fields by name, read from it (in
+    Python, and through ``compile_time`` while a graph compiles), not copied."""
+
+    @compile_time
+    def micro_size(self) -> int:
+        """Micro-batches per batch."""
+        return self.spec.micro_size
+
+    @compile_time
+    def kind(self) -> LossKind:
+        """The loss kind."""
+        return self.spec.kind
+
+    @compile_time
+    def shared_inputs(self) -> tuple:
+        """The inputs every micro-batch receives whole."""
+        return self.spec.shared_inputs
+
+    @compile_time
+    def per_token_loss(self) -> bool:
+        """Whether the network returns ``(loss_sum, count)``."""
+        return self.spec.per_token_loss
+
+    @compile_time
+    def reduction(self) -> str:
+        """``'mean'`` or ``'sum'``."""
+        return self.spec.reduction
+
+    @compile_time
+    def min_count(self) -> float:
+        """The floor of the count a batch or window divides by."""
+        return self.spec.min_count
+
+    @compile_time
+    def check_loss(self) -> bool:
+        """Whether the loss contract is checked."""
+        return self.spec.check_loss

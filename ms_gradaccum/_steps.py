@@ -14,7 +14,7 @@ from ms_gradaccum.diagnostics.calls import CountedCalls, expect_first_compile
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, FoundOnce, parallel_mode
-from ms_gradaccum._kinds import LossKind, LossSpec, RowMean, declares_kind
+from ms_gradaccum._kinds import LossKind, LossSpec, RowMean, SpecFields, declares_kind
 from ms_gradaccum._loss_scale import SCALE_EXPECTED, LiveScale, LossScale, check_scale_value
 from ms_gradaccum._tokens import recognised
 from ms_gradaccum._validation import (argument_error, check_cell, check_has_parameters, check_positive_float,
@@ -26,7 +26,7 @@ _NAME = "AccumulatingTrainOneStepCell"
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)   # what scale_sense may be
 
 
-class AccumulatingTrainOneStepCell(CountedCalls, FoundOnce, DataParallelParts, nn.TrainOneStepCell):
+class AccumulatingTrainOneStepCell(CountedCalls, FoundOnce, DataParallelParts, SpecFields, nn.TrainOneStepCell):
     r"""
     A drop-in for ``nn.TrainOneStepCell`` that steps the optimizer once every `accumulate_steps` calls, each call's
     batch optionally split into `micro_size` micro-batches.
@@ -118,8 +118,6 @@ class AccumulatingTrainOneStepCell(CountedCalls, FoundOnce, DataParallelParts, n
                 f"{optimizer.loss_scale}. Create the optimizer without loss_scale.")
         super().__init__(network, optimizer)
         self.spec = spec
-        self.micro_size, self.kind, self.shared_inputs = spec.micro_size, spec.kind, spec.shared_inputs
-        self.per_token_loss, self.reduction, self.min_count = spec.per_token_loss, spec.reduction, spec.min_count
         self.loss_scale = scale
         self.loss_scaled = scale_sense is not None
         self.loss_scaling_manager = manager
