@@ -10,8 +10,8 @@ from ms_gradaccum._kinds import TokenMean as TokenMean
 from ms_gradaccum._scheduler import GradAccumulationScheduler as GradAccumulationScheduler
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell as AccumulatingTrainOneStepCell
 from ms_gradaccum._token_sum import token_sum_loss as token_sum_loss
-from ms_gradaccum.diagnostics.contract import LossContractReport as LossContractReport
-from ms_gradaccum.diagnostics.contract import check_loss_contract as check_loss_contract
+from ms_gradaccum.diagnostics.loss_contract import LossContractReport as LossContractReport
+from ms_gradaccum.diagnostics.loss_contract import check_loss_contract as check_loss_contract
 
 __version__ = "0.3.0"
 

@@ -12,8 +12,8 @@ from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, compiling_graph, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
 from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, FoundOnce, Surroundings,
-                                                  TrainGradAccuStepCell, data_parallel_in_force,
-                                                  parallel_mode)
+                                                  TrainGradAccuStepCell, child, data_parallel_in_force,
+                                                  parallel_mode, set_child)
 from ms_gradaccum._base import PrecisionNeutral
 from ms_gradaccum._kinds import LossKind, LossSpec, SpecFields
 from ms_gradaccum._tokens import recognised
@@ -32,12 +32,11 @@ def _parallel_pass():
 
 
 def child_on_first_read(owner: nn.Cell, name: str, build) -> nn.Cell:
-    """`owner`'s child cell `name`, made by ``build()`` when first asked for; straight into the cell table
-    (insert_child_to_cell's hasattr would read the compile-time attribute of that name again)."""
-    part = owner._cells.get(name)   # pylint: disable=protected-access
+    """`owner`'s child cell `name`, made by ``build()`` when first asked for."""
+    part = child(owner, name)
     if part is None:
         part = build()
-        owner._cells[name] = part   # pylint: disable=protected-access
+        set_child(owner, name, part)
     return part
 
 

@@ -2,7 +2,8 @@
 
 CI runs this module on the lowest and the highest supported MindSpore, so each version difference handled in the
 adapters has a test that fails if the handling is wrong for the version at hand. Also: each patch's undo, and the
-fence (only the adapters import private MindSpore names; no import cycle in the package).
+fence (only the adapters import private MindSpore names, read private attributes of other libraries or introspect
+code, closures and frames; no import cycle in the package).
 """
 import os
 import subprocess
@@ -264,6 +265,61 @@ def test_mindspore_private_names_are_imported_by_the_adapters_only():
     # Control: the check sees private imports where they are.
     assert any(_private(module, names) for found in adapters.values() for module, names in found
                if module.split(".")[0] == "mindspore")
+
+
+# Introspection of code, closures and frames: an adapter's business (what a function's code or a frame holds).
+_INTROSPECTION = {"__closure__", "__code__", "__globals__", "co_filename", "co_firstlineno", "co_varnames", "f_back",
+                  "f_locals", "f_globals", "_getframe", "getsource", "getsourcelines", "getclosurevars"}
+
+
+def _foreign_private_uses() -> dict:
+    """``{module: [name, ...]}``: the private attributes a module of the package reads that the package does not
+    define itself (MindSpore's ``Cell._cells``, ``context._context``, ...), and its reads of code, closures, frames
+    and source (:data:`_INTROSPECTION`), from its source."""
+    import ast            # pylint: disable=import-outside-toplevel
+    import pathlib        # pylint: disable=import-outside-toplevel
+    root = pathlib.Path(_buffers.__file__).parent
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(root.rglob("*.py"))}
+    defined = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "__setattr__" and \
+                    len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                defined.add(node.args[1].value)
+    found = {}
+    for path, tree in trees.items():
+        module = ".".join(("ms_gradaccum",) + path.relative_to(root).with_suffix("").parts).replace(".__init__", "")
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                private = node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in defined
+                if private or node.attr in _INTROSPECTION:
+                    names.add(node.attr)
+            elif isinstance(node, ast.Constant) and node.value in ("_cells", "_params"):   # __dict__["_cells"]
+                names.add(node.value)
+        found[module] = sorted(names)
+    return found
+
+
+def test_mindspore_private_attributes_and_introspection_are_the_adapters_only():
+    # The fence covers more than imports: reading another library's private attributes (Cell._cells, _params,
+    # context._context), code objects, closures, frames and source happens in ms_gradaccum._mindspore alone.
+    found = _foreign_private_uses()
+    outside = {module: names for module, names in found.items()
+               if names and not module.startswith("ms_gradaccum._mindspore")}
+    assert not outside, outside
+    # Control: the scan sees them where they are.
+    adapters = {module: names for module, names in found.items() if module.startswith("ms_gradaccum._mindspore")}
+    assert "_cells" in adapters["ms_gradaccum._mindspore.surroundings"], adapters
+    assert "__closure__" in adapters["ms_gradaccum._mindspore.patches"], adapters
 
 
 def test_mindspore_package_has_no_import_cycle():

@@ -70,6 +70,13 @@ class compile_time:  # pylint: disable=invalid-name
         return self if obj is None else self.method(obj)
 
 
+def traceback_runs_through(message: str, function) -> bool:
+    """Whether MindSpore's "Traceback of Net Construct Code" in an error `message` runs through the first line of the
+    body of `function` (``In file <file>:<line>,``; checked 2.7.0-2.10.0)."""
+    code = function.__code__
+    return f"{code.co_filename}:{code.co_firstlineno + 1}," in message
+
+
 def compiling_graph() -> bool:
     """Whether the caller runs while a graph is being compiled: GRAPH_MODE, or an ``ms.jit`` function being compiled in
     PyNative mode (read from the stack by _mindspore.surroundings.read_stack)."""

@@ -113,7 +113,7 @@ def discover(cell: nn.Cell) -> Surroundings:
     return Surroundings(
         train_cell=next((c for c in enclosing if isinstance(c, nn.TrainOneStepCell)), None),
         optimizer=optimizer,
-        loss_wrapper=next((c for c in enclosing if c.__dict__.get("_cells", {}).get("_backbone") is cell), None),
+        loss_wrapper=next((c for c in enclosing if child(c, "_backbone") is cell), None),
         under_model=stack.under_model)
 
 
@@ -170,6 +170,18 @@ def data_parallel_in_force() -> bool:
 # The flags Cell.to_float sets on every cell of a tree (``amp_level`` O2/O3 call it): a flagged cell casts every float
 # tensor it handles. mindspore/nn/cell.py::to_float.
 PRECISION_FLAGS = ("fp16", "fp32", "bf16")
+
+
+def child(cell, name: str):
+    """`cell`'s child cell `name` from its cell table (``Cell._cells``), or None; without ``Cell.__getattr__`` (nor a
+    compile-time attribute of that name) being read. Anything not a Cell has no children."""
+    return cell.__dict__.get("_cells", {}).get(name) if isinstance(cell, nn.Cell) else None
+
+
+def set_child(cell: nn.Cell, name: str, part: nn.Cell) -> None:
+    """Puts `part` into `cell`'s cell table as `name` (``insert_child_to_cell``'s ``hasattr`` would read a compile-time
+    attribute of that name)."""
+    cell._cells[name] = part  # pylint: disable=protected-access
 
 
 def own_parameters(cell: nn.Cell) -> dict:

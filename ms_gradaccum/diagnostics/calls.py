@@ -26,6 +26,7 @@ from mindspore import nn
 
 from ms_gradaccum._microbatch import check_tensor_inputs
 from ms_gradaccum._mindspore.patches import GRAPH_COMPILE, with_context
+from ms_gradaccum._mindspore.surroundings import child
 from ms_gradaccum.diagnostics.contract import RECHECK_EVERY
 
 # The package cells built and not compiled yet (their first compile is under way or to come).
@@ -54,7 +55,7 @@ def expect_first_compile(owner: nn.Cell) -> None:
 
 
 def _engine(owner) -> nn.Cell:
-    return owner.__dict__.get("_cells", {}).get("engine") if isinstance(owner, nn.Cell) else None
+    return child(owner, "engine")
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 
 from mindspore import nn
 
+from ms_gradaccum._mindspore.graph import traceback_runs_through
 from ms_gradaccum.diagnostics.eager import BatchRows, runs_on
 from ms_gradaccum._microbatch import (SPLIT, input_shapes, micro_batch_rows, plan,
                                       split_as_compiled)
@@ -71,8 +72,7 @@ def _fails_on(engine: nn.Cell, inputs: tuple, micro_batches: Optional[int]) -> O
 def _network_call_in(message: str, engine: nn.Cell) -> bool:
     """Whether MindSpore's traceback of the error runs through the engine's call of the network: the file and line of
     that call's own code object (``In file <file>:<line>,``)."""
-    code = type(engine.scaled_loss.loss_of_inputs).construct.__code__
-    return f"{code.co_filename}:{code.co_firstlineno + 1}," in message
+    return traceback_runs_through(message, type(engine.scaled_loss.loss_of_inputs).construct)
 
 
 def micro_batch_context(error: Exception, owner: Optional[nn.Cell], inputs: tuple,
