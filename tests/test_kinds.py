@@ -122,3 +122,36 @@ def test_kinds_a_kind_given_twice_must_agree():
     with pytest.raises(ValueError, match=r"the argument 'kind' is WeightedRowMean\(weights_input=1\) but the "
                                          r"GradAccumulationCell given as 'network' has kind="):
         AccumulatingTrainOneStepCell(cell, opt, 1, kind=WeightedRowMean(1))
+
+
+def _numbers(values) -> list:
+    return [float(np.asarray(v.asnumpy() if hasattr(v, "asnumpy") else v).reshape(())) for v in values]
+
+
+# The design's table (docs/design.md, "Loss kinds"), one micro-batch of 6 rows where the largest has 8 (count unit 8),
+# loss 2.0, count 3.0 (where the network returns or the cells count one): (weight, value, count), then the loss and
+# the divisor of a batch whose sums are value 5.0, count 2.5 over 20 rows, scale 4, devices factor 1.
+_TABLE = [
+    ("RowMean", RowMean(), (6 / 8, 2.0 * 6 / 8, 6 / 8), (5.0 / 2.5, 4 * 2.5)),
+    ("RowSum", RowSum(), (1 / 8, 2.0 / 8, 6 / 8), (5.0 / 2.5 * 2.5 * 8, 4 * 2.5 / (2.5 * 8))),
+    ("TokenMean", TokenMean(), (1.0, 2.0, 3.0), (5.0 / 2.5, 4 * 2.5)),
+    ("TokenMean(min_count=4)", TokenMean(4.0), (1.0, 2.0, 3.0), (5.0 / 4.0, 4 * 4.0)),
+    ("TokenMean(times_rows)", TokenMean(0.0, times_rows=True), (1.0, 2.0, 3.0), (20 * 5.0 / 2.5, 4 * 2.5 / 20)),
+    ("CountedMean", None, (3 / 8, 2.0 * 3 / 8, 3 / 8), (5.0 / 2.5, 4 * 2.5)),
+]
+
+
+@pytest.mark.parametrize("name, kind, tally, normalised", _TABLE, ids=[row[0] for row in _TABLE])
+def test_kinds_built_in_tally_and_normalise_are_the_design_table(name, kind, tally, normalised):
+    # A bug in a built-in kind's arithmetic fails here, by the kind's name, not only as "your loss does not combine".
+    if kind is None:
+        from ms_gradaccum._tokens import CountedMean   # pylint: disable=import-outside-toplevel
+        kind = CountedMean(("loss",))
+    f32 = lambda v: Tensor(v, mstype.float32)   # noqa: E731
+    got = kind.tally(f32(2.0), f32(3.0), 6, f32(8.0), ())
+    np.testing.assert_allclose(_numbers(got), tally, rtol=1e-6, err_msg=f"{name}.tally")
+    got = kind.normalise(f32(4.0), f32(5.0), f32(2.5), 1.0, 20, f32(8.0))
+    np.testing.assert_allclose(_numbers(got), normalised, rtol=1e-6, err_msg=f"{name}.normalise")
+    # Control: the comparison sees a wrong value (a RowMean weighed by rows, not rows per unit, is caught).
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(_numbers(RowMean().tally(f32(2.0), f32(3.0), 6, f32(1.0), ())), (0.75, 1.5, 0.75))
