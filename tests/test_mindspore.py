@@ -14,7 +14,7 @@ import mindspore as ms
 import pytest
 from mindspore import nn, Parameter, Tensor
 
-from ms_gradaccum import _buffers, _parallel_pass, _window
+from ms_gradaccum import _buffers, _parallel_pass
 from ms_gradaccum._mindspore import graph, surroundings, version
 from launch import repo_env
 
@@ -60,7 +60,7 @@ class _Divide(nn.Cell):
             buffer = self.p
             buffer /= divisor
             return buffer
-        return _window.divide_in_place((self.p,), divisor)[0]
+        return _buffers.divide_in_place((self.p,), divisor)[0]
 
 
 def test_mindspore_in_place_division_flag_matches_this_mindspore():
@@ -75,7 +75,7 @@ def test_mindspore_in_place_division_flag_matches_this_mindspore():
 def test_mindspore_divide_in_place_writes_the_buffer_either_way(monkeypatch, in_place):
     if in_place and not version.AUGMENTED_ASSIGNMENT_IN_PLACE:
         pytest.skip(f"MindSpore {ms.__version__} does not divide Parameters in place")
-    monkeypatch.setattr(_window, "AUGMENTED_ASSIGNMENT_IN_PLACE", in_place)
+    monkeypatch.setattr(_buffers, "AUGMENTED_ASSIGNMENT_IN_PLACE", in_place)
     cell = _Divide("package")
     assert float(cell(Tensor(2.0, ms.float32)).asnumpy()[0]) == 3.0
     assert float(cell.p.asnumpy()[0]) == 3.0
