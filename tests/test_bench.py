@@ -40,18 +40,34 @@ def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
     assert (tmp_path / "benchmark_mlp.png").stat().st_size > 10_000
     # Compile time on the language model, each cell against the plain step, divisible and ragged batches.
     compiled = {(row["model"], row["kind"], row["micro_size"], row["batch"]): row for row in result["compile_rows"]}
+    # Quick mode compiles the core configurations (the ragged batch and K=64 are the full run's; their target lines
+    # are checked on given rows below).
     for key in (("lm2", "plain", 1, 16), ("lm2", "accumulate", 4, 16), ("lm2", "accumulate_unchecked", 4, 16),
-                ("lm2", "accumulate_steps", 4, 18),
-                ("lm2", "accumulate", 64, 64), ("lm2", "floor", 4, 16)):
+                ("lm2", "accumulate_steps", 4, 16), ("lm2", "floor", 4, 16)):
         assert compiled[key]["compile_s"] > 0 and compiled[key]["compile_cpu_s"] > 0, key
     for prefix in ("lm2: compile, divisible batch, 16 rows, K=4: GradAccumulationCell",
-                   "lm2: compile, ragged batch, 18 rows, K=4: AccumulatingTrainOneStepCell", "lm2: compile K=64",
                    "lm2: the loss contract's check: compile",
                    "lm2: compile CPU seconds, K=4, against the floor: GradAccumulationCell",
                    "mlp: compile K=64"):
         assert any(line.startswith(prefix) for line in result["targets"]), prefix
     assert "| lm2 | GradAccumulationCell in nn.TrainOneStepCell K=4 | 16 |" in done.stdout
     assert "| lm2 | floor (the mechanism alone, not the product) K=4 | 16 |" in done.stdout
+
+
+def test_bench_compile_targets_of_a_full_run_are_written_from_its_rows():
+    # Every configuration of a full run (COMPILE_CONFIGS), given as rows: each target line the full run writes.
+    spec = importlib.util.spec_from_file_location("bench_run", os.path.join(REPO, "benchmarks", "run.py"))
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    rows = [dict(model="lm2", kind=kind, micro_size=k, batch=batch, compile_s=1.0 + k / 100, compile_cpu_s=1.5,
+                 steady_step_s=0.1) for kind, k, batch in run.COMPILE_CONFIGS]
+    targets = run.compile_targets(rows)
+    for prefix in ("lm2: compile, divisible batch, 16 rows, K=4: GradAccumulationCell",
+                   "lm2: compile, ragged batch, 18 rows, K=4: AccumulatingTrainOneStepCell", "lm2: compile K=64",
+                   "lm2: the loss contract's check: compile", "lm2: the check inside the graph",
+                   "lm2: compile CPU seconds, K=4, against the floor: GradAccumulationCell", "lm2: step time K=4"):
+        assert any(line.startswith(prefix) for line in targets), (prefix, targets)
+    assert len(run.compile_targets(rows[:5])) < len(targets)   # control: fewer rows, fewer lines
 
 
 def test_bench_failed_configuration_exits_non_zero_and_keeps_the_last_results(tmp_path, monkeypatch, capsys):
