@@ -2,7 +2,8 @@
 
     python benchmarks/run.py            # full run: MLP, conv net and the parameter-heavy "wide" MLP, and compile
                                         # times on a transformer LM; writes docs/benchmark.{json,md} + plots
-    python benchmarks/run.py --quick    # under 4 minutes on 2 cores: MLP only, fewer configurations, LM compile once
+    python benchmarks/run.py --quick    # about 5 minutes on 2 cores: MLP only, fewer configurations, the LM's core
+                                        # compiles once (plain, both cells, check_loss=False, the floor)
 
 Every configuration runs in its own process (benchmarks/worker.py) so peaks do not mix; one "step" is
 one optimizer update over the same total batch. Ratios are to plain full-batch nn.TrainOneStepCell of the
