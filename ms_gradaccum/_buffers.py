@@ -104,7 +104,7 @@ def _zero_buffer(after, buffer):
 
 @_divide.register("Tensor", "Tensor")
 def _divide_buffer(divisor, buffer):
-    return _in_place(buffer, divisor, divide=True)
+    return _in_place(buffer, _CAST(divisor, buffer.dtype), divide=True)
 
 
 @_cast_like.register("Tensor", "Tensor")
@@ -113,10 +113,9 @@ def _cast_like_tensor(tensor, like):
 
 
 def _in_place(buffer, operand, divide: bool):
-    """``buffer / operand`` (or ``*``), `operand` taken in the buffer's dtype, written into the buffer and returned.
+    """``buffer / operand`` (or ``*``), `operand` already in the buffer's dtype, written into the buffer and returned.
     In graph mode ``/=`` and ``*=`` on a Parameter run in place (InplaceDiv/InplaceMul: no gradient-sized temporary)
     from MindSpore 2.8 on; before (2.7, _mindspore.version), the result is assigned to the buffer."""
-    operand = _CAST(operand, buffer.dtype)
     if AUGMENTED_ASSIGNMENT_IN_PLACE:
         if divide:
             buffer /= operand
