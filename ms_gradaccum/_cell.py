@@ -141,8 +141,9 @@ class GradAccumulationCell(CountedCalls, FoundOnce, DataParallelParts, SpecField
         shared_inputs (Union[int, tuple[int]]): Inputs every micro-batch receives whole. Default: ``()``.
         reduction (str, optional): ``'mean'`` or ``'sum'`` over the rows. Default: ``None`` (``'mean'``).
         min_count (float, optional): With `per_token_loss`, the floor of the batch's count. Default: ``None`` (0).
-        check_loss (bool): Check the loss contract on steps 1, 2, 4, ..., 1024 and every 1024th after (a forward pass
-            on the first two micro-batches together, eager where the batch can be reached). Default: ``True``.
+        check_loss (bool): Check the loss contract on steps 1, 2, 4, ..., 1024 and every 1024th after (the loss and,
+            eagerly, the last two weights' gradients on the first two micro-batches together against their own; eager
+            where the batch can be reached). Default: ``True``.
         weights (Union[None, list[Parameter], tuple[Parameter]]): The weights to accumulate, each of `network`, once.
         kind (LossKind, optional): The loss kind as an object (``ms_gradaccum.LossKind``: what a micro-batch tallies,
             how the sums are normalised), instead of `per_token_loss`, `reduction` and `min_count`; see

@@ -608,25 +608,51 @@ def test_contract_masked_mean_with_an_empty_micro_batch_stops_naming_it(wrap):
     assert_params_close(actual, expected, rtol=1e-5, atol=1e-6)
 
 
+def _zero_head(net):
+    """`net` with its last layer zero: every row's loss is log(classes) until training moves it (the issue's "per-row
+    losses alike at initialisation")."""
+    head = net[-1]
+    ops.assign(head.weight, ops.zeros_like(head.weight))
+    ops.assign(head.bias, ops.zeros_like(head.bias))
+    return net
+
+
 @pytest.mark.slow
-def test_contract_sample_weighted_mean_is_stopped_on_a_later_step():
-    # Per-row losses alike at initialisation let a sample-weighted mean pass the first step's comparison; the later
-    # checks stop it once training makes them differ, before 10 steps. Control: check_loss=False trains on, 1%+ off.
+def test_contract_sample_weighted_mean_with_alike_losses_is_stopped_by_its_gradients(monkeypatch):
+    # Per-row losses alike at initialisation (a zero last layer): a sample-weighted mean's loss values combine, its
+    # gradients do not. The check's gradient comparison stops it on step 1, before any update, as the public check
+    # does on the same batch. Controls: without the gradient comparison the losses alone pass steps 1, 2 and 4 and it
+    # is caught only on step 8, after 7 steps trained 10%+ off; check_loss=False trains on, off.
+    from ms_gradaccum import check_loss_contract   # pylint: disable=import-outside-toplevel
     batches = _masked_batches(10, ragged_from=0, weights=True, seed=11)
-    net = make_mlp()
-    step = _cell()(SampleWeightedMean(net), make_optimizer("momentum", net.trainable_params()))
-    stopped = None
-    for index, batch in enumerate(batches):
-        try:
-            step(*(Tensor(a) for a in batch))
-        except ValueError as caught:
-            stopped = (index + 1, str(caught))
-            break
-    assert stopped is not None and stopped[0] in (1, 2, 4, 8), stopped
-    assert f"on step {stopped[0]}," in stopped[1] and "sample weights" in stopped[1]
-    expected, _, initial = _train(SampleWeightedMean, nn.TrainOneStepCell, batches)
-    control, _, _ = _train(SampleWeightedMean, _cell(check_loss=False), batches)
-    assert max(update_ratios(control, expected, initial).values()) > 0.01
+
+    def stopped_at(net):
+        step = _cell()(SampleWeightedMean(net), make_optimizer("momentum", net.trainable_params()))
+        for index, batch in enumerate(batches):
+            before = params_of(net)
+            try:
+                step(*(Tensor(a) for a in batch))
+            except ValueError as caught:
+                assert all(np.array_equal(value, before[name]) for name, value in params_of(net).items())
+                return index + 1, str(caught)
+        return None, ""
+
+    step, message = stopped_at(_zero_head(make_mlp()))
+    assert step == 1 and "on step 1, the gradient of its loss on the first two micro-batches together (16 rows) " \
+        "differs from the one combined from their own by" in message and "sample weights" in message, message
+    with pytest.raises(ValueError, match=r"on this batch, the gradient of its loss .* per_token_loss=True"):
+        check_loss_contract(SampleWeightedMean(_zero_head(make_mlp())), tuple(Tensor(a) for a in batches[0]), K)
+
+    def zero_headed(loss_net_of):
+        return lambda net: loss_net_of(_zero_head(net))
+
+    expected, _, initial = _train(zero_headed(SampleWeightedMean), nn.TrainOneStepCell, batches[:7])
+    control, _, _ = _train(zero_headed(SampleWeightedMean), _cell(check_loss=False), batches[:7])
+    assert max(update_ratios(control, expected, initial).values()) > 0.1
+    from ms_gradaccum.diagnostics.contract import ContractCheck   # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(ContractCheck, "gradient_weights", lambda self: [])
+    step, message = stopped_at(_zero_head(make_mlp()))
+    assert step == 8 and "on step 8, its loss on the first two micro-batches together" in message, message
 
 
 def test_contract_public_check_on_a_batch_of_ones_choosing():
@@ -639,6 +665,7 @@ def test_contract_public_check_on_a_batch_of_ones_choosing():
     report = check_loss_contract(MaskedMean(net), tuple(Tensor(a) for a in uniform), K)
     assert isinstance(report, LossContractReport) and report.kind == RowMean() and report.rows == (8, 8)
     assert abs(report.ratio - 1.0) < 1e-5 and np.isfinite(report.measured)
+    assert report.gradients == ("4.weight", "4.bias")   # the output layer's gradients agree as well
     with pytest.raises(ValueError, match=r"does not combine over micro-batches .* on this batch, its loss on the first "
                                          r"two micro-batches together \(16 rows\) .*return \(loss_sum, count\) and "
                                          r"pass per_token_loss=True"):
@@ -660,6 +687,7 @@ def test_contract_public_check_counts_a_recognised_loss_and_compares_a_declared_
     loss_net = nn.WithLossCell(make_mlp(), nn.CrossEntropyLoss(ignore_index=-100))
     report = check_loss_contract(loss_net, (Tensor(x), Tensor(y)), K)
     assert type(report.kind).__name__ == "CountedMean" and abs(report.ratio - 1.0) < 1e-5
+    assert report.gradients == ()   # counted: exact by construction, its values compared only
     with pytest.raises(ValueError, match=r"does not combine .* on this batch"):
         check_loss_contract(loss_net, (Tensor(x), Tensor(y)), K, kind=RowMean())
 

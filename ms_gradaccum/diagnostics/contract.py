@@ -8,8 +8,10 @@ trained 4 to 16 times too small; a masked mean over micro-batches whose masks di
 the first two micro-batches together is compared with what the kind tallies from their own losses; a mismatch stops
 before that step's update, with the ratio and the route that fits. The first step shows a loss that scales with its
 rows; a normalisation by a count taken over the batch shows on the first step whose micro-batches hold different
-counts, which the later checks sample. The passes run eagerly (PyNative, no gradient, ``_eager.run_eagerly``) on the
-batch the step is called with, before its graph runs. Batch statistics and dropout are tolerated within [1/1.5, 1.5].
+counts, which the later checks sample; one whose rows' losses are still alike (a zero output layer) combines in
+value but not in gradient, so the eager passes also compare the gradients of the last two trainable weights
+(:meth:`ContractCheck.compare_gradients`). The passes run eagerly (PyNative, ``_eager.run_eagerly``) on the batch the
+step is called with, before its graph runs. Batch statistics and dropout are tolerated within [1/1.5, 1.5].
 Where the batch cannot be reached from Python (a train cell of one's own, a ``jit`` function, sink mode, dynamic
 shapes) or the network runs only in graph mode, the graph runs the pair's pass itself, on the same steps.
 """
@@ -22,7 +24,7 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._base import PrecisionNeutral, Unsaved
-from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
+from ms_gradaccum._mindspore.graph import compile_time, eager_mode, gradients_recorded, primexpr
 from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.surroundings import parallel_mode
 from ms_gradaccum.diagnostics.eager import BatchRows, run_eagerly, runs_on
@@ -81,6 +83,23 @@ def routes(kind) -> str:
             f"multiplied by the batch size). If you know the loss is fine here, pass check_loss=False.")
 
 
+class GradientPass(nn.Cell):
+    """A pass of the engine's ``ScaledLoss`` (scale 1) and the gradient of its loss with respect to `weights`, eagerly:
+    its four outputs and the gradients as a fifth."""
+
+    def __init__(self, scaled_loss: nn.Cell, weights: list):
+        super().__init__(auto_prefix=False)
+        self.scaled_loss = scaled_loss
+        object.__setattr__(self, "_weights", list(weights))   # not a Cell attribute: nothing of theirs is renamed
+
+    def construct(self, *args):
+        # Made here, in PyNative mode with recording on: value_and_grad reads the mode when it is made, and made in
+        # graph mode it compiles a graph on every call.
+        with gradients_recorded():
+            outputs, gradients = ms.value_and_grad(self.scaled_loss, None, self._weights, has_aux=True)(*args)
+        return tuple(outputs) + (gradients,)
+
+
 class ContractCheck(PrecisionNeutral):
     """The check (see the module docstring). :meth:`check_step` runs it eagerly before a step's graph runs, on the steps
     :func:`check_due` names; where it cannot run so, ``construct`` runs the pass on the pair inside the graph, on the
@@ -107,6 +126,7 @@ class ContractCheck(PrecisionNeutral):
         self.passed = False
         self.failed = False
         self.graph_checks = False
+        self.gradients_fail = False
 
     @compile_time
     def graph_steps(self) -> Parameter:
@@ -139,10 +159,11 @@ class ContractCheck(PrecisionNeutral):
             self.graph_checks = True
         return self.graph_checks
 
-    def _passes(self, engine: nn.Cell, inputs: tuple, whole: Optional[int] = None):
+    def _passes(self, engine: nn.Cell, inputs: tuple, whole: Optional[int] = None, gradients: bool = False):
         """The tallies ``[(value, count), ...]`` of the network's forward pass, eagerly, on the first micro-batch, on
-        the second and on the two together (with `whole`, that split input given whole to each), their rows and the
-        batch's split; None where it cannot run (the graph runs the check then)."""
+        the second and on the two together (with `whole`, that split input given whole to each), their rows, and with
+        `gradients` the gradients of each pass's loss with respect to :meth:`gradient_weights` (None where they cannot
+        be taken); None where the passes cannot run (the graph runs the check then)."""
         if parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
             return None
         if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
@@ -153,20 +174,37 @@ class ContractCheck(PrecisionNeutral):
             return None
         spans = [(0, sizes[0]), (sizes[0], sizes[0] + sizes[1]), (0, sizes[0] + sizes[1])]
         calls = [(batch.rows(start, stop, whole), ONE, stop - start, ONE) for start, stop in spans]
+        weights = self.gradient_weights() if gradients else []
+        if weights:
+            try:
+                outputs = run_eagerly(GradientPass(self._scaled_loss, weights), calls)
+                return [(out[1], out[2]) for out in outputs], sizes, [out[4] for out in outputs]
+            except Exception:  # pylint: disable=broad-except
+                # Not differentiable eagerly (or the network fails: the forward passes below raise it as before).
+                self.gradients_fail = True
         outputs = run_eagerly(self._scaled_loss, calls)
-        return [(out[1], out[2]) for out in outputs], sizes
+        return [(out[1], out[2]) for out in outputs], sizes, None
+
+    def gradient_weights(self) -> list:
+        """The weights whose gradients the check compares besides the losses: the network's last two trainable ones
+        (usually its output layer's, so the backward pass is short); none where the network's own cells count the
+        loss (a recognised loss: exact by construction), where batch statistics or random cells make the passes
+        differ anyway, or where taking them failed once."""
+        if self.noisy or self.gradients_fail or self._scaled_loss.counts_in_network:
+            return []
+        return self._scaled_loss.trainable_params()[-2:]
 
     def _check_eagerly(self, engine: nn.Cell, inputs: tuple) -> None:
         """The check on the eager passes (see :meth:`check_step`): raises on a mismatch, or leaves it to the graph where
         the passes cannot run."""
         try:
-            found = self._passes(engine, inputs)
+            found = self._passes(engine, inputs, gradients=True)
         except Exception as error:  # pylint: disable=broad-except
             self._on_error(error, engine, inputs)
             return
         if found is None:
             return
-        (first, second, pair), sizes = found
+        (first, second, pair), sizes, gradients = found
         self.passed = True
         if not all(np.isfinite(x.asnumpy()).all() for x in first + second):
             return   # a non-finite micro-batch: the engine's own check stops the step, naming it
@@ -177,6 +215,8 @@ class ContractCheck(PrecisionNeutral):
         except ValueError as error:
             error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
             raise
+        if gradients is not None:
+            self.compare_gradients((first, second, pair), gradients, sum(sizes), self.steps)
 
     def _on_error(self, error: Exception, engine: nn.Cell, inputs: tuple) -> None:
         """An error of the eager passes: one the network raises on micro-batch rows only is the split's, and says so;
@@ -210,7 +250,7 @@ class ContractCheck(PrecisionNeutral):
             if role != SPLIT or index == 0:
                 continue
             try:
-                (first, second, pair), sizes = self._passes(engine, inputs, whole=index)
+                (first, second, pair), sizes, _ = self._passes(engine, inputs, whole=index)
                 with eager_mode():
                     self._compare(pair[0], pair[1], first[0] + second[0], first[1] + second[1], ONE, sum(sizes),
                                   self.steps)
@@ -222,6 +262,31 @@ class ContractCheck(PrecisionNeutral):
                     f"whose axis 0 only equals the batch size, declare it (e.g. shared_inputs=({position},)): every "
                     f"micro-batch then gets it whole.")
         return ""
+
+    def compare_gradients(self, tallies, gradients, rows, step, where="on step "):
+        """Raises where the gradients of the pair's pass (`gradients[2]`, over its divisor) differ from the sum of the
+        two micro-batches' (over theirs), as the engine combines them: what the loss values cannot show while the
+        rows' losses are alike (a sample-weighted mean at initialisation), each weight's largest difference against
+        its largest gradient. `tallies`: the passes' ``(value, count)``."""
+        (first, second, pair), (grad_first, grad_second, grad_pair) = tallies, gradients
+        with eager_mode():
+            measured = self.kind.normalise(ONE, pair[0], pair[1], 1.0, rows, ONE)[1]
+            predicted = self.kind.normalise(ONE, first[0] + second[0], first[1] + second[1], 1.0, rows, ONE)[1]
+        measured, predicted = (float(x.asnumpy().reshape(())) for x in (measured, predicted))
+        if not (np.isfinite([measured, predicted]).all() and measured > 0 and predicted > 0):
+            return   # nothing counted (a divisor of 0 or infinity): nothing to compare
+        for weight, one, other, together in zip(self.gradient_weights(), grad_first, grad_second, grad_pair):
+            whole = together.asnumpy().astype(np.float64) / measured
+            combined = (one.asnumpy().astype(np.float64) + other.asnumpy().astype(np.float64)) / predicted
+            size, difference = float(np.abs(combined).max()), float(np.abs(whole - combined).max())
+            if not difference <= self.rtol * size + ATOL:
+                raise ValueError(
+                    f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the cell "
+                    f"computes it, so training would not give the full batch's update: {where}{step}, the gradient of "
+                    f"its loss on the first two micro-batches together ({rows} rows) differs from the one combined "
+                    f"from their own by {readable(difference / size if size else float('inf'))} of its largest "
+                    f"element (weight '{weight.name}'), though the losses agree: a normalisation over the batch whose "
+                    f"rows' losses are still alike.{self.noise} {routes(self.kind)}")
 
     def _mismatch(self, measured, predicted):
         """Whether `measured` and `predicted` differ beyond the tolerance; a NaN on either side is a mismatch."""

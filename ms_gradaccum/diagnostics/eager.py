@@ -79,11 +79,12 @@ def runs_on(network: nn.Cell, args: tuple) -> bool:
 
 def run_eagerly(network: nn.Cell, calls: list, around_first=None) -> list:
     """The one place the package runs the user's network outside a graph (the loss contract's check, and the error
-    decoration's tries): its forward pass on each argument tuple of `calls`, eagerly (PyNative mode, no gradient), each
-    output read at once (PyNative runs asynchronously: an error surfaces when a result is read). BatchNorm's moving
-    statistics and what cells' own ``__call__`` set are put back after, so the passes leave the network as they found
-    it. `around_first`, a context manager, is entered around the first call only. An error raised by a call carries
-    that call's index as ``eager_call``."""
+    decoration's tries): its forward pass on each argument tuple of `calls`, eagerly (PyNative mode, no gradient
+    unless `network` takes one itself, as the check's ``GradientPass``), each output read at once (PyNative runs
+    asynchronously: an error surfaces when a result is read). BatchNorm's moving statistics and what cells' own
+    ``__call__`` set are put back after, so the passes leave the network as they found it. `around_first`, a context
+    manager, is entered around the first call only. An error raised by a call carries that call's index as
+    ``eager_call``."""
     outputs = []
     with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
         for index, args in enumerate(calls):
