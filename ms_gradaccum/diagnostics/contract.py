@@ -162,8 +162,8 @@ class ContractCheck(PrecisionNeutral):
     def _passes(self, engine: nn.Cell, inputs: tuple, whole: Optional[int] = None, gradients: bool = False):
         """The tallies ``[(value, count), ...]`` of the network's forward pass, eagerly, on the first micro-batch, on
         the second and on the two together (with `whole`, that split input given whole to each), their rows, and with
-        `gradients` the gradients of each pass's loss with respect to :meth:`gradient_weights` (None where they cannot
-        be taken); None where the passes cannot run (the graph runs the check then)."""
+        `gradients` the gradient passes (:meth:`_gradient_passes`; None where they are not taken); None where the
+        passes cannot run (the graph runs the check then)."""
         if parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
             return None
         if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
@@ -174,16 +174,27 @@ class ContractCheck(PrecisionNeutral):
             return None
         spans = [(0, sizes[0]), (sizes[0], sizes[0] + sizes[1]), (0, sizes[0] + sizes[1])]
         calls = [(batch.rows(start, stop, whole), ONE, stop - start, ONE) for start, stop in spans]
-        weights = self.gradient_weights() if gradients else []
-        if weights:
-            try:
-                outputs = run_eagerly(GradientPass(self._scaled_loss, weights), calls)
-                return [(out[1], out[2]) for out in outputs], sizes, [out[4] for out in outputs]
-            except Exception:  # pylint: disable=broad-except
-                # Not differentiable eagerly (or the network fails: the forward passes below raise it as before).
-                self.gradients_fail = True
         outputs = run_eagerly(self._scaled_loss, calls)
-        return [(out[1], out[2]) for out in outputs], sizes, None
+        found = self._gradient_passes(batch, sizes) if gradients else None
+        return [(out[1], out[2]) for out in outputs], sizes, found
+
+    def _gradient_passes(self, batch: BatchRows, sizes: list):
+        """``(tallies, gradients, rows)`` of three passes that take the gradients of :meth:`gradient_weights`: on the
+        first half of each of the two micro-batches and on the two halves together (the rows of one micro-batch at
+        most: what they hold for the backward pass is no more than a micro-batch step holds); None where they are not
+        taken or taking them fails (the forward passes have run: an error of the network's was raised there)."""
+        weights = self.gradient_weights()
+        if not weights:
+            return None
+        first, second = (0, max(1, sizes[0] // 2)), (sizes[0], sizes[0] + max(1, sizes[1] // 2))
+        calls = [(batch.spans(spans), ONE, sum(stop - start for start, stop in spans), ONE)
+                 for spans in ([first], [second], [first, second])]
+        try:
+            outputs = run_eagerly(GradientPass(self._scaled_loss, weights), calls)
+        except Exception:  # pylint: disable=broad-except
+            self.gradients_fail = True   # not differentiable eagerly: the values alone decide from now on
+            return None
+        return [(out[1], out[2]) for out in outputs], [out[4] for out in outputs], calls[2][2]
 
     def gradient_weights(self) -> list:
         """The weights whose gradients the check compares besides the losses: the network's last two trainable ones
@@ -204,7 +215,7 @@ class ContractCheck(PrecisionNeutral):
             return
         if found is None:
             return
-        (first, second, pair), sizes, gradients = found
+        (first, second, pair), sizes, gradient_passes = found
         self.passed = True
         if not all(np.isfinite(x.asnumpy()).all() for x in first + second):
             return   # a non-finite micro-batch: the engine's own check stops the step, naming it
@@ -215,8 +226,8 @@ class ContractCheck(PrecisionNeutral):
         except ValueError as error:
             error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
             raise
-        if gradients is not None:
-            self.compare_gradients((first, second, pair), gradients, sum(sizes), self.steps)
+        if gradient_passes is not None:
+            self.compare_gradients(*gradient_passes, self.steps)
 
     def _on_error(self, error: Exception, engine: nn.Cell, inputs: tuple) -> None:
         """An error of the eager passes: one the network raises on micro-batch rows only is the split's, and says so;
@@ -265,10 +276,12 @@ class ContractCheck(PrecisionNeutral):
 
     def compare_gradients(self, tallies, gradients, rows, step, where="on step "):
         """Raises where the gradients of the pair's pass (`gradients[2]`, over its divisor) differ from the sum of the
-        two micro-batches' (over theirs), as the engine combines them: what the loss values cannot show while the
-        rows' losses are alike (a sample-weighted mean at initialisation), each weight's largest difference against
-        its largest gradient. `tallies`: the passes' ``(value, count)``."""
+        two parts' (over theirs), as the engine combines them: what the loss values cannot show while the rows' losses
+        are alike (a sample-weighted mean at initialisation), each weight's largest difference against its largest
+        gradient. `tallies`: the passes' ``(value, count)``; `rows`: the pair's (:meth:`_gradient_passes`)."""
         (first, second, pair), (grad_first, grad_second, grad_pair) = tallies, gradients
+        if not all(np.isfinite(x.asnumpy()).all() for x in first + second + pair):
+            return   # a part without a valid row (0/0): the engine's own check names a micro-batch that is not finite
         with eager_mode():
             measured = self.kind.normalise(ONE, pair[0], pair[1], 1.0, rows, ONE)[1]
             predicted = self.kind.normalise(ONE, first[0] + second[0], first[1] + second[1], 1.0, rows, ONE)[1]
@@ -283,10 +296,10 @@ class ContractCheck(PrecisionNeutral):
                 raise ValueError(
                     f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the cell "
                     f"computes it, so training would not give the full batch's update: {where}{step}, the gradient of "
-                    f"its loss on the first two micro-batches together ({rows} rows) differs from the one combined "
-                    f"from their own by {readable(difference / size if size else float('inf'))} of its largest "
-                    f"element (weight '{weight.name}'), though the losses agree: a normalisation over the batch whose "
-                    f"rows' losses are still alike.{self.noise} {routes(self.kind)}")
+                    f"its loss on the first halves of the first two micro-batches together ({rows} rows) differs from "
+                    f"the one combined from their own by {readable(difference / size if size else float('inf'))} of "
+                    f"its largest element (weight '{weight.name}'), though the losses agree: a normalisation over the "
+                    f"batch whose rows' losses are still alike.{self.noise} {routes(self.kind)}")
 
     def _mismatch(self, measured, predicted):
         """Whether `measured` and `predicted` differ beyond the tolerance; a NaN on either side is a mismatch."""

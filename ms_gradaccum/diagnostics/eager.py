@@ -67,6 +67,12 @@ class BatchRows:
         micro = tuple(x if index == whole else x[start:stop] for index, x in enumerate(self.split))
         return assemble(micro, self.shared, self.constants, self.layout)
 
+    def spans(self, spans: list) -> tuple:
+        """The network's inputs for the batch's rows in `spans` (``[(start, stop), ...]``), one after the other."""
+        micro = tuple(ops.concat([x[start:stop] for start, stop in spans]) if len(spans) > 1 else
+                      x[spans[0][0]:spans[0][1]] for x in self.split)
+        return assemble(micro, self.shared, self.constants, self.layout)
+
 
 def runs_on(network: nn.Cell, args: tuple) -> bool:
     """Whether `network` runs eagerly on `args` (:func:`run_eagerly`) without raising."""
