@@ -4,6 +4,8 @@ tries behind the error context (_failures) both call :func:`run_eagerly`, which 
 import contextlib
 from typing import Optional
 
+import numpy as np
+
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum._mindspore.graph import eager_mode
@@ -68,9 +70,10 @@ class BatchRows:
         return assemble(micro, self.shared, self.constants, self.layout)
 
     def spans(self, spans: list) -> tuple:
-        """The network's inputs for the batch's rows in `spans` (``[(start, stop), ...]``), one after the other."""
-        micro = tuple(ops.concat([x[start:stop] for start, stop in spans]) if len(spans) > 1 else
-                      x[spans[0][0]:spans[0][1]] for x in self.split)
+        """The network's inputs for the batch's rows in `spans` (``[(start, stop), ...]``), one after the other, each
+        a Tensor of its own: MindSpore 2.7's PyNative gradient of a pass given a slice of a Tensor (a view) is not the
+        slice's."""
+        micro = tuple(Tensor(np.concatenate([x[start:stop].asnumpy() for start, stop in spans])) for x in self.split)
         return assemble(micro, self.shared, self.constants, self.layout)
 
 
