@@ -90,18 +90,6 @@ def compiling_graph() -> bool:
 # (docs/measurements.md); the flag is set_context(pynative_synchronize=...)'s, read and restored through the context
 # object (set_context warns that the key is deprecated). On GPU/Ascend the pipeline overlaps host and device: left.
 @contextlib.contextmanager
-def gradients_recorded():
-    """Gradient recording on inside :func:`eager_mode` (which turns it off), for the duration; restored after."""
-    executor = PYNATIVE_EXECUTOR
-    recording = executor.enable_grad()
-    executor.set_enable_grad(True)
-    try:
-        yield
-    finally:
-        executor.set_enable_grad(recording)
-
-
-@contextlib.contextmanager
 def eager_mode():
     """PyNative mode without gradient recording (and, on CPU, with synchronous execution), for the duration; the mode,
     recording and execution are restored after. On an error, what PyNative recorded is cleared (as MindSpore does when
@@ -126,3 +114,15 @@ def eager_mode():
         executor.set_enable_grad(recording)
         if mode != ms.PYNATIVE_MODE:
             ms.set_context(mode=mode)
+
+
+@contextlib.contextmanager
+def gradients_recorded():
+    """Gradient recording on inside :func:`eager_mode` (which turns it off), for the duration; restored after."""
+    executor = PYNATIVE_EXECUTOR
+    recording = executor.enable_grad()
+    executor.set_enable_grad(True)
+    try:
+        yield
+    finally:
+        executor.set_enable_grad(recording)

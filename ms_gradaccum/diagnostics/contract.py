@@ -159,11 +159,11 @@ class ContractCheck(PrecisionNeutral):
             self.graph_checks = True
         return self.graph_checks
 
-    def _passes(self, engine: nn.Cell, inputs: tuple, whole: Optional[int] = None, gradients: bool = False):
+    def _passes(self, engine: nn.Cell, inputs: tuple, whole: Optional[int] = None):
         """The tallies ``[(value, count), ...]`` of the network's forward pass, eagerly, on the first micro-batch, on
-        the second and on the two together (with `whole`, that split input given whole to each), their rows, and with
-        `gradients` the gradient passes (:meth:`_gradient_passes`; None where they are not taken); None where the
-        passes cannot run (the graph runs the check then)."""
+        the second and on the two together (with `whole`, that split input given whole to each), their rows and the
+        batch's split (for :meth:`_gradient_passes`); None where the passes cannot run (the graph runs the check
+        then)."""
         if parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
             return None
         if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
@@ -175,11 +175,11 @@ class ContractCheck(PrecisionNeutral):
         spans = [(0, sizes[0]), (sizes[0], sizes[0] + sizes[1]), (0, sizes[0] + sizes[1])]
         calls = [(batch.rows(start, stop, whole), ONE, stop - start, ONE) for start, stop in spans]
         outputs = run_eagerly(self._scaled_loss, calls)
-        found = self._gradient_passes(batch, sizes) if gradients else None
-        return [(out[1], out[2]) for out in outputs], sizes, found
+        return [(out[1], out[2]) for out in outputs], sizes, batch
 
     def _gradient_passes(self, batch: BatchRows, sizes: list):
-        """``(tallies, gradients, rows)`` of three passes that take the gradients of :meth:`gradient_weights`: on the
+        """``(tallies, gradients, rows, weights)`` of three passes that take the gradients of `weights`
+        (:meth:`gradient_weights`): on the
         first half of each of the two micro-batches and on the two halves together (the rows of one micro-batch at
         most: what they hold for the backward pass is no more than a micro-batch step holds); None where they are not
         taken or taking them fails (the forward passes have run: an error of the network's was raised there)."""
@@ -194,7 +194,7 @@ class ContractCheck(PrecisionNeutral):
         except Exception:  # pylint: disable=broad-except
             self.gradients_fail = True   # not differentiable eagerly: the values alone decide from now on
             return None
-        return [(out[1], out[2]) for out in outputs], [out[4] for out in outputs], calls[2][2]
+        return [(out[1], out[2]) for out in outputs], [out[4] for out in outputs], calls[2][2], weights
 
     def gradient_weights(self) -> list:
         """The weights whose gradients the check compares besides the losses: the network's last two trainable ones
@@ -209,13 +209,13 @@ class ContractCheck(PrecisionNeutral):
         """The check on the eager passes (see :meth:`check_step`): raises on a mismatch, or leaves it to the graph where
         the passes cannot run."""
         try:
-            found = self._passes(engine, inputs, gradients=True)
+            found = self._passes(engine, inputs)
         except Exception as error:  # pylint: disable=broad-except
             self._on_error(error, engine, inputs)
             return
         if found is None:
             return
-        (first, second, pair), sizes, gradient_passes = found
+        (first, second, pair), sizes, batch = found
         self.passed = True
         if not all(np.isfinite(x.asnumpy()).all() for x in first + second):
             return   # a non-finite micro-batch: the engine's own check stops the step, naming it
@@ -226,6 +226,7 @@ class ContractCheck(PrecisionNeutral):
         except ValueError as error:
             error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
             raise
+        gradient_passes = self._gradient_passes(batch, sizes)   # only once the values held
         if gradient_passes is not None:
             self.compare_gradients(*gradient_passes, self.steps)
 
@@ -274,11 +275,12 @@ class ContractCheck(PrecisionNeutral):
                     f"micro-batch then gets it whole.")
         return ""
 
-    def compare_gradients(self, tallies, gradients, rows, step, where="on step "):
+    def compare_gradients(self, tallies, gradients, rows, weights, step, where="on step "):
         """Raises where the gradients of the pair's pass (`gradients[2]`, over its divisor) differ from the sum of the
         two parts' (over theirs), as the engine combines them: what the loss values cannot show while the rows' losses
         are alike (a sample-weighted mean at initialisation), each weight's largest difference against its largest
-        gradient. `tallies`: the passes' ``(value, count)``; `rows`: the pair's (:meth:`_gradient_passes`)."""
+        gradient. `tallies`: the passes' ``(value, count)``; `rows`: the pair's; `weights`: those differentiated
+        (:meth:`_gradient_passes`)."""
         (first, second, pair), (grad_first, grad_second, grad_pair) = tallies, gradients
         if not all(np.isfinite(x.asnumpy()).all() for x in first + second + pair):
             return   # a part without a valid row (0/0): the engine's own check names a micro-batch that is not finite
@@ -288,7 +290,7 @@ class ContractCheck(PrecisionNeutral):
         measured, predicted = (float(x.asnumpy().reshape(())) for x in (measured, predicted))
         if not (np.isfinite([measured, predicted]).all() and measured > 0 and predicted > 0):
             return   # nothing counted (a divisor of 0 or infinity): nothing to compare
-        for weight, one, other, together in zip(self.gradient_weights(), grad_first, grad_second, grad_pair):
+        for weight, one, other, together in zip(weights, grad_first, grad_second, grad_pair):
             whole = together.asnumpy().astype(np.float64) / measured
             combined = (one.asnumpy().astype(np.float64) + other.asnumpy().astype(np.float64)) / predicted
             size, difference = float(np.abs(combined).max()), float(np.abs(whole - combined).max())

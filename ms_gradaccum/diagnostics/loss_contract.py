@@ -78,13 +78,13 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
     engine = MicroBatchGradients(loss_net, spec, overwrite=True, targets=lambda: ((), ()), cls_name=_PUBLIC,
                                  loss_scale=None)
     check = engine.contract
-    found = check._passes(engine, inputs, gradients=True)  # pylint: disable=protected-access
+    found = check._passes(engine, inputs)  # pylint: disable=protected-access
     if found is None:
         raise ValueError(
             f"For '{_PUBLIC}', the check cannot run on these inputs: it runs stand-alone or data parallel, on Tensors "
             f"with data and static shapes, and on a batch of at least two micro-batches' rows (micro_size="
             f"{spec.micro_size}). Use check_equivalence to train both ways instead.")
-    (first, second, pair), sizes, gradient_passes = found
+    (first, second, pair), sizes, batch = found
     values = [float(x.asnumpy().reshape(())) for x in first + second]
     if not np.isfinite(values).all():
         raise ValueError(
@@ -97,8 +97,9 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
                        sum(sizes), "", where="on this batch")
         measured = check.kind.compared(pair[0], pair[1], sum(sizes), ONE)[0]
         predicted = check.kind.compared(first[0] + second[0], first[1] + second[1], sum(sizes), ONE)[0]
+    gradient_passes = check._gradient_passes(batch, sizes)  # pylint: disable=protected-access
     if gradient_passes is not None:
         check.compare_gradients(*gradient_passes, "", where="on this batch")
-    compared = tuple(weight.name for weight in check.gradient_weights()) if gradient_passes is not None else ()
+    compared = tuple(weight.name for weight in gradient_passes[3]) if gradient_passes is not None else ()
     return LossContractReport(spec.kind, tuple(sizes), float(measured.asnumpy().reshape(())),
                               float(predicted.asnumpy().reshape(())), compared)
