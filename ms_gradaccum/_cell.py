@@ -7,7 +7,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
-from ms_gradaccum.diagnostics.calls import CountedCalls, expect_first_compile
+from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall, expect_first_compile
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, compiling_graph, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
@@ -111,7 +111,7 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
             f"bprop.")
 
 
-class GradAccumulationCell(CountedCalls, FoundOnce, DataParallelParts, SpecFields, PrecisionNeutral):
+class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, SpecFields, PrecisionNeutral):
     r"""
     Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
 

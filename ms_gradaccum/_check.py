@@ -15,7 +15,7 @@ import mindspore.dataset as ds
 from mindspore import nn
 
 from ms_gradaccum._cell import GradAccumulationCell
-from ms_gradaccum.diagnostics.contract import random_cells
+from ms_gradaccum._mindspore.randomness import random_primitives
 from ms_gradaccum._validation import batch_norm_cells, check_positive_int
 
 _NAME = "check_equivalence"
@@ -69,10 +69,11 @@ def _likely_causes(network: nn.Cell, actual: dict, expected: dict, initial: dict
     norms = batch_norm_cells(network)
     if norms:
         causes.append(f"batch normalisation ({', '.join(norms)}): its statistics are per micro-batch")
-    dropouts = random_cells(network)
-    if dropouts:
-        causes.append(f"dropout ({', '.join(dropouts)}): random masks differ between the runs; set_train(False) "
-                      f"them or drop them for the check")
+    random = sorted({f"{type(cell).__name__}.{attribute} ({type(primitive).__name__})"
+                     for cell, attribute, primitive in random_primitives(network)})
+    if random:
+        causes.append(f"random draws ({', '.join(random)}): masks and noise differ between the runs; set_train(False) "
+                      f"the cells that draw them or drop them for the check")
     update = np.sqrt(sum(float(np.sum((actual[n] - initial[n]) ** 2)) for n in initial))
     reference = np.sqrt(sum(float(np.sum((expected[n] - initial[n]) ** 2)) for n in initial))
     if reference > 0 and micro_size > 1:

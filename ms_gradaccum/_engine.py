@@ -168,7 +168,7 @@ class MicroBatchGradients(PrecisionNeutral):
         micro_size = spec.micro_size
         self.scaled_loss = ScaledLoss(network, spec.kind, cls_name)
         self.contract = ContractCheck(self.scaled_loss, network, micro_size, spec.kind,
-                                      spec.check_loss and micro_size > 1, cls_name)
+                                      spec.check_loss and micro_size > 1, cls_name, spec.declared)
         self.micro_size = micro_size
         self.shared_inputs = spec.shared_inputs
         self.input_names = input_names(network)
@@ -181,6 +181,12 @@ class MicroBatchGradients(PrecisionNeutral):
         object.__setattr__(self, "_targets", targets)   # a bound method of the owner, not a child cell
         object.__setattr__(self, "_loss_scale", loss_scale)   # the owner's child, read here
         object.__setattr__(self, "graph_built", False)   # set by a compile that builds its graph (diagnostics.calls)
+
+    def use_kind(self, kind) -> None:
+        """Trains with `kind` from the next compile on (the kind the first call's probe found: diagnostics.contract)."""
+        self.scaled_loss.kind = kind
+        self.contract.kind = kind
+        self.kind_setting = kind.setting
 
     @compile_time
     def skips_non_finite(self) -> bool:

@@ -146,6 +146,35 @@ class TokenMean(LossKind):
         return _buffers.mean_loss(value, count), value, count
 
 
+# The default ignore_index of ops.cross_entropy, ops.nll_loss and nn.CrossEntropyLoss.
+IGNORE_INDEX = -100
+
+
+@ms.jit_class
+class IgnoredLabelMean(LossKind):
+    """A mean over the labels of input `position` that are not `ignore_index`: each micro-batch weighs the labels it
+    holds (in count units), so the batch's loss is its sum over its valid labels on every step, whatever labels a later
+    batch holds. Chosen by the first call's probe (diagnostics.contract) for a loss of one's own that it finds to be
+    such a mean (``ops.cross_entropy``, ``ops.nll_loss`` inside a loss cell), where nothing was declared.
+
+    Attributes:
+        position (int): The network's input holding the labels.
+        ignore_index (int): The label left out. Default: ``-100``.
+    """
+    sums_across_ranks = True   # the whole batch's count, all devices': as one process on the global batch
+    setting = "(a mean over valid labels, found by the first call's probe)"
+
+    def __init__(self, position: int, ignore_index: int = IGNORE_INDEX):
+        self.position = int(position)
+        self.ignore_index = int(ignore_index)
+        self.description = f"a mean over the labels of input {self.position} that are not {self.ignore_index}"
+
+    def tally(self, loss, count, rows, count_unit, inputs):
+        valid = ops.cast(inputs[self.position] != self.ignore_index, mstype.float32).sum()
+        weight = valid / count_unit
+        return weight, loss * weight, weight
+
+
 def of_arguments(per_token_loss: bool, reduction: str, min_count: float) -> LossKind:
     """The built-in kind the public arguments select (checked before: LossSpec.of)."""
     if per_token_loss:
@@ -176,6 +205,10 @@ class LossSpec:
     declared: bool = False
     shared_inputs: tuple = ()
     check_loss: bool = True
+
+    def with_kind(self, kind: LossKind) -> "LossSpec":
+        """The same spec with `kind` (the one the first call's probe found, diagnostics.contract)."""
+        return dataclasses.replace(self, kind=kind)
 
     # The public arguments of the kind, for messages and the cells' attributes.
     @property
@@ -219,6 +252,12 @@ class LossSpec:
 class SpecFields:
     """Mixed into the cells, which hold their :class:`LossSpec` as ``self.spec``: its fields by name, read from it (in
     Python, and through ``compile_time`` while a graph compiles), not copied."""
+
+    def use_kind(self, kind: LossKind) -> None:
+        """Trains with `kind` from the next compile on: the kind the first call's probe found (diagnostics.contract),
+        set before the first graph compiles."""
+        self.spec = self.spec.with_kind(kind)
+        self.engine.use_kind(kind)
 
     @compile_time
     def micro_size(self) -> int:

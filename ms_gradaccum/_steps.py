@@ -10,7 +10,7 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum import _buffers
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._cell import DataParallelParts, GradAccumulationCell, data_parallel_module
-from ms_gradaccum.diagnostics.calls import CountedCalls, expect_first_compile
+from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall, expect_first_compile
 from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, FoundOnce, parallel_mode
@@ -26,7 +26,7 @@ _NAME = "AccumulatingTrainOneStepCell"
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)   # what scale_sense may be
 
 
-class AccumulatingTrainOneStepCell(CountedCalls, FoundOnce, DataParallelParts, SpecFields, nn.TrainOneStepCell):
+class AccumulatingTrainOneStepCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, SpecFields, nn.TrainOneStepCell):
     r"""
     A drop-in for ``nn.TrainOneStepCell`` that steps the optimizer once every `accumulate_steps` calls, each call's
     batch optionally split into `micro_size` micro-batches.

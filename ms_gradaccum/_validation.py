@@ -211,9 +211,10 @@ def is_batch_statistic(name: str) -> bool:
     return name.split(".")[-1] in ("moving_mean", "moving_variance")
 
 
-def batch_norm_cells(network: nn.Cell) -> list:
+def batch_norm_cells(network: nn.Cell, cells: bool = False) -> list:
     """Names (and types) of the cells of ``network`` that normalise with batch statistics in training (BatchNorm,
-    SyncBatchNorm, any cell with ``moving_mean``/``moving_variance``), unless ``use_batch_statistics=False``."""
+    SyncBatchNorm, any cell with ``moving_mean``/``moving_variance``), unless ``use_batch_statistics=False``; with
+    `cells`, the cells themselves."""
     found = []
     for name, cell in network.cells_and_names():
         if getattr(cell, "use_batch_statistics", None) is False:
@@ -221,7 +222,7 @@ def batch_norm_cells(network: nn.Cell) -> list:
         own = [param.name for param in cell.get_parameters(expand=False)]
         if isinstance(cell, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)) or any(
                 is_batch_statistic(param) for param in own):
-            found.append(f"{name or '<network>'} ({type(cell).__name__})")
+            found.append(cell if cells else f"{name or '<network>'} ({type(cell).__name__})")
     return found
 
 

@@ -1,21 +1,32 @@
-"""The loss contract, checked on the first step and again on later ones instead of assumed (docs/design.md, "What is
-decided when").
+"""The loss contract, decided from the loss's structure on the first call (docs/design.md, "The loss contract").
 
-The cells are exact when the loss is what they are told (a row mean, a row sum, ``(loss_sum, count)``, or a loss they
-recognise, _tokens); losses that zoos and users write break that without a sign (a detector's ``B * sum / max(S, 1)``
-trained 4 to 16 times too small; a masked mean over micro-batches whose masks differ is a mean of means). On the steps
-:func:`check_due` names (1, 2, 4, ... :data:`RECHECK_EVERY`, then every :data:`RECHECK_EVERY`), the network's loss on
-the first two micro-batches together is compared with what the kind tallies from their own losses; a mismatch stops
-before that step's update, with the ratio and the route that fits. The first step shows a loss that scales with its
-rows; a normalisation by a count taken over the batch shows on the first step whose micro-batches hold different
-counts, which the later checks sample; one whose rows' losses are still alike (a zero output layer) combines in
-value but not in gradient, so the eager passes also compare the gradients of the last two trainable weights
-(:meth:`ContractCheck.compare_gradients`). The passes run eagerly (PyNative, ``_eager.run_eagerly``) on the batch the
-step is called with, before its graph runs. Batch statistics and dropout are tolerated within [1/1.5, 1.5].
-Where the batch cannot be reached from Python (a train cell of one's own, a ``jit`` function, sink mode, dynamic
-shapes) or the network runs only in graph mode, the graph runs the pair's pass itself, on the same steps.
+The cells are exact when the loss is what they take it for: a mean over independent rows (the default), a sum
+(``reduction='sum'``), ``(loss_sum, count)`` (``per_token_loss=True``), or a mean over valid labels that they count.
+Losses that zoos and users write break that without a sign (a masked mean over micro-batches whose masks differ is a
+mean of means), and sampling the data cannot settle it: the first batches may be regular and a later one not. So on the
+first call (and again, in PyNative mode, when the inputs' layout changes) :meth:`ContractCheck.probe` runs the network
+eagerly on rows of that batch with inputs it chooses, and what it finds holds whatever values later batches hold.
+
+1. **The gradient probe** (:meth:`ContractCheck._gradient_probe`). What a micro-batch adds is its loss times the kind's
+   weight (its rows, or its count of valid labels); that sum over rows is the contract. So the gradient of the weighted
+   loss with respect to some rows' float inputs (B) must not move when other rows (A) change: each float input of A
+   moved, half the entries of each input of A set to 0, and of each integer input to the ignored label (-100). Random
+   draws are held the same in every pass (``_mindspore.randomness``) and batch normalisation is in eval mode, so rows
+   that are independent move by exactly 0. What moved B's gradient names the cause: a float input moving its own
+   rows' gradient, rows coupled across the batch (InfoNCE, statistics over the batch: no split reproduces the full
+   batch); otherwise the input the loss is normalised through (a mask, sample weights, a count of thresholded targets:
+   the ``(loss_sum, count)`` route). Where only the ignored label moved it and a mean over the labels that are not -100
+   holds, the loss is counted that way from then on (``_kinds.IgnoredLabelMean``: exact by construction, every step).
+2. **Every row's values** (:meth:`ContractCheck._every_row`; networks that draw no random values). Each micro-batch's
+   loss, and each micro-batch with the next together, compared as the kind combines them, to a relative tolerance: a
+   sum taken for a mean stops here. Where no gradient reaches a float input (integer inputs only), the ignored label
+   and 0 are tried on these values instead (:meth:`ContractCheck._ignored_labels`, :meth:`ContractCheck._zeros`).
+
+Random draws (dropout, noise) are never a reason to stop or to loosen. Where the batch cannot be reached from Python (a
+train cell of one's own, a ``jit`` function, sink mode) or the network runs only in graph mode, the graph compares the
+first two micro-batches' values on its first run instead (:meth:`ContractCheck.construct`).
 """
-import numbers
+import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -24,47 +35,73 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._base import PrecisionNeutral, Unsaved
+from ms_gradaccum._kinds import IGNORE_INDEX, IgnoredLabelMean, RowMean
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, gradients_recorded, primexpr
 from ms_gradaccum._mindspore.patches import with_context
+from ms_gradaccum._mindspore.randomness import HeldDraws
 from ms_gradaccum._mindspore.surroundings import parallel_mode
-from ms_gradaccum.diagnostics.eager import BatchRows, run_eagerly, runs_on
+from ms_gradaccum.diagnostics.eager import BatchRows, run_eagerly, runs_on, training_off
 from ms_gradaccum._microbatch import SPLIT, assemble, micro_batch_rows
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
-# Relative tolerance of the comparison: float32 reductions in another order; float16 networks round far more.
-RTOL, RTOL_FLOAT16, ATOL = 1e-3, 2e-2, 1e-6
-# Where batch statistics or random cells make the two forward passes differ anyway: only a gross mismatch stops.
-NOISY_BAND = 1.5
-ONE = Tensor(1.0, mstype.float32)   # the eager passes' scale and count unit (the unit cancels in every comparison)
-# The checks after the first: steps 2, 4, 8, ... up to this one, then every this many steps (docs/measurements.md,
-# "The loss contract's re-checks", for their cost).
-RECHECK_EVERY = 1024
+# Relative tolerance of the value comparisons: float32 reductions in another order; float16 networks round far more.
+RTOL, RTOL_FLOAT16 = 1e-3, 2e-2
+# The coupling probe: a float input changed by this much of its size; rows whose gradient then moves by more than
+# COUPLING of the largest gradient element are coupled to the changed ones (independent rows move by exactly 0.0).
+STEP, COUPLING = 0.1, 1e-4
+ONE = Tensor(1.0, mstype.float32)   # the passes' scale and count unit (the unit cancels in every comparison)
 
 
-def check_due(step: int) -> bool:
-    """Whether the loss contract is checked on `step` (counted from 1): a power of two up to
-    :data:`RECHECK_EVERY`, then every multiple of it."""
-    return step & (step - 1) == 0 if step <= RECHECK_EVERY else step % RECHECK_EVERY == 0
+class LossContractError(ValueError):
+    """The loss does not combine over micro-batches as the cell combines it (raised before any update)."""
 
 
-def _due_in_graph(step):
-    """:func:`check_due` in a graph, on an int32 step."""
-    power_of_two = ops.logical_and(ops.bitwise_and(step, step - 1) == 0, step <= RECHECK_EVERY)
-    return ops.logical_or(power_of_two, ops.logical_and(step > RECHECK_EVERY, step % RECHECK_EVERY == 0))
+@dataclasses.dataclass(frozen=True)
+class Findings:
+    """What the first call's probe found (``check_loss_contract`` reports it).
+
+    Attributes:
+        kind (LossKind): The kind the cell trains with (an ``IgnoredLabelMean`` where the probe found one).
+        separable (Optional[bool]): Whether the rows are independent through the float inputs; None where no float
+            input could be probed (integer inputs only, or no gradient reaches them).
+        probed_inputs (tuple): The network's float inputs changed by the coupling probe, by position.
+        ignore_labels (Optional[int]): The input whose -100 labels the loss leaves out (then counted), if any.
+        random (bool): The network draws random values: only the coupling probe ran (draws held the same).
+        rows_compared (int): The rows whose values were compared (every row of the batch, or 0).
+        batch_rows (int): The rows of the batch probed.
+        measured (float): The loss on the pair of micro-batches whose comparison was closest to failing.
+        predicted (float): The same, combined from the two micro-batches' own losses.
+        not_finite (Optional[int]): The first micro-batch whose loss is not finite (nothing compared then).
+    """
+    kind: object
+    separable: Optional[bool]
+    probed_inputs: tuple
+    ignore_labels: Optional[int]
+    random: bool
+    rows_compared: int
+    batch_rows: int
+    measured: float = float("nan")
+    predicted: float = float("nan")
+    not_finite: Optional[int] = None
 
 
-def random_cells(network: nn.Cell) -> list:
-    """``["name (Class)", ...]``: cells of `network` whose output is random in training (dropout with a rate > 0)."""
-    found = []
-    for name, cell in network.cells_and_names():
-        if "dropout" not in type(cell).__name__.lower():
-            continue
-        rate = getattr(cell, "p", None)
-        if rate is None and getattr(cell, "keep_prob", None) is not None:
-            rate = 1.0 - float(cell.keep_prob)
-        if rate is None or (isinstance(rate, numbers.Real) and rate > 0):
-            found.append(f"{name or 'network'} ({type(cell).__name__})")
-    return found
+def loss_name(network: nn.Cell) -> str:
+    """The network's class, and its loss cell's (the last ``nn.LossBase`` in it), for messages."""
+    losses = [(name, cell) for name, cell in network.cells_and_names() if isinstance(cell, nn.LossBase) and name]
+    text = type(network).__name__
+    if losses:
+        name, cell = losses[-1]
+        text += f" (loss cell '{name}': {type(cell).__name__})"
+    return text
+
+
+def _close(measured: float, predicted: float, rtol: float) -> bool:
+    """Equal within `rtol` of the larger; a NaN on either side is not."""
+    return abs(measured - predicted) <= rtol * max(abs(measured), abs(predicted))
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"
 
 
 @primexpr
@@ -74,161 +111,515 @@ def pair_rows(batch: int, micro_size: int) -> int:
     return sizes[0] + sizes[1] if len(sizes) == 2 else 0
 
 
-def routes(kind) -> str:
-    """The exact routes, for the message (`kind`: the loss kind, _kinds)."""
-    return (f"The cell was told the loss is {kind.description}. If the loss is a sum over the rows, or a mean "
-            f"multiplied by the batch size, pass reduction='sum'. If it is normalised by a count taken over the batch "
-            f"(valid tokens, a mask, sample weights, targets, a score sum), return (loss_sum, count) and pass "
-            f"per_token_loss=True (min_count=1.0 for a max(count, 1) floor, and reduction='sum' as well if it is also "
-            f"multiplied by the batch size). If you know the loss is fine here, pass check_loss=False.")
+class WeightedGradients(nn.Cell):
+    """The gradient of a pass's weighted loss (the engine's ``ScaledLoss`` at scale 1: the loss times the kind's weight
+    for its rows, the term a micro-batch adds) with respect to the network's inputs at `positions`, eagerly."""
 
-
-class GradientPass(nn.Cell):
-    """A pass of the engine's ``ScaledLoss`` (scale 1) and the gradient of its loss with respect to `weights`, eagerly:
-    its four outputs and the gradients as a fifth."""
-
-    def __init__(self, scaled_loss: nn.Cell, weights: list):
+    def __init__(self, scaled_loss: nn.Cell, positions: tuple, rows: int):
         super().__init__(auto_prefix=False)
-        self.scaled_loss = scaled_loss
-        object.__setattr__(self, "_weights", list(weights))   # not a Cell attribute: nothing of theirs is renamed
+        object.__setattr__(self, "_scaled_loss", scaled_loss)   # the engine's own cell, not a child of this one
+        object.__setattr__(self, "_positions", tuple(positions))
+        object.__setattr__(self, "_rows", rows)
+
+    def weighted(self, *args):
+        return self._scaled_loss(args, ONE, self._rows, ONE)[0]
 
     def construct(self, *args):
-        # Made here, in PyNative mode with recording on: value_and_grad reads the mode when it is made, and made in
-        # graph mode it compiles a graph on every call.
+        # Made here, in PyNative mode with recording on: ms.grad reads the mode when it is made, and made in graph mode
+        # it compiles a graph on every call.
         with gradients_recorded():
-            outputs, gradients = ms.value_and_grad(self.scaled_loss, None, self._weights, has_aux=True)(*args)
-        return tuple(outputs) + (gradients,)
+            gradients = ms.grad(self.weighted, grad_position=self._positions)(*args)
+        return gradients if isinstance(gradients, tuple) else (gradients,)
+
+
+def _movement(moved: np.ndarray, before: np.ndarray, size: float) -> tuple:
+    """``(movement, scaled)``: how far a gradient moved, in `size` (its largest element before), and whether it moved
+    as a whole by one factor (a normaliser changed), to the probe's precision."""
+    if not before.size:
+        return 0.0, False
+    movement = float(np.abs(moved - before).max()) / size
+    norm = float((before * before).sum())
+    factor = float((moved * before).sum()) / norm if norm else 0.0
+    return movement, bool(norm) and float(np.abs(moved - factor * before).max()) / size <= COUPLING
+
+
+def _first_only(function):
+    """`function`, called on the first call only."""
+    calls = []
+
+    def first():
+        if not calls:
+            calls.append(1)
+            function()
+    return first
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, Tensor) and x.dtype in (mstype.float16, mstype.float32, mstype.float64)
+
+
+def _is_integer(x) -> bool:
+    return isinstance(x, Tensor) and x.dtype in (mstype.int8, mstype.int16, mstype.int32, mstype.int64, mstype.uint8)
+
+
+def _set_half(array: np.ndarray, rows: int, value) -> np.ndarray:
+    """`array` with every other entry of its first `rows` rows set to `value` (at least one entry kept)."""
+    array = array.copy()
+    head = array[:rows].reshape(-1)
+    if head.size < 2:
+        return None
+    head[::2] = value
+    array[:rows] = head.reshape(array[:rows].shape)
+    return array
 
 
 class ContractCheck(PrecisionNeutral):
-    """The check (see the module docstring). :meth:`check_step` runs it eagerly before a step's graph runs, on the steps
-    :func:`check_due` names; where it cannot run so, ``construct`` runs the pass on the pair inside the graph, on the
-    same steps, and compares it with the loop's own tallies of the two micro-batches."""
+    """The probe (see the module docstring): :meth:`first_call` runs it eagerly before the first step's graph runs;
+    where it cannot run so, ``construct`` compares the first two micro-batches' values inside the graph, on its first
+    run."""
 
-    def __init__(self, scaled_loss: nn.Cell, network: nn.Cell, micro_size: int, kind, enabled: bool, cls_name: str):
+    def __init__(self, scaled_loss: nn.Cell, network: nn.Cell, micro_size: int, kind, enabled: bool, cls_name: str,
+                 declared: bool = False):
         super().__init__(auto_prefix=False)
         object.__setattr__(self, "_scaled_loss", scaled_loss)   # the engine's own cell: not a second child
         self.micro_size = micro_size
         self.kind = kind
         self.enabled = enabled
+        self.declared = declared
         self.owner_name = cls_name
         self.rtol = RTOL_FLOAT16 if computes_in_float16(network) else RTOL
-        noise = batch_norm_cells(network) + random_cells(network)
-        self.noisy = bool(noise)
-        self.noise = f" The network has batch statistics or random cells ({', '.join(noise)}): their noise " \
-                     f"is tolerated, so only a ratio outside [1/{NOISY_BAND}, {NOISY_BAND}] stops." if noise else ""
-        # The steps the graph's own check has counted (0 while it has run none).
-        self._graph_steps = Unsaved(Parameter(Tensor(0, mstype.int32), name="accu_state.loss_contract_step",
-                                              requires_grad=False))
-        # Python state. `steps`: the steps counted so far. `passed`: the eager check ran and held (graphs compiled
-        # later leave the in-graph check out). `failed`: the eager pass cannot run (the graph runs the pass itself).
-        self.steps = 0
-        self.passed = False
+        self.loss_name = loss_name(network)   # the user's network, for messages (not the engine's counting copy)
+        # Whether the graph's own comparison has run (0: not yet).
+        self._graph_runs = Unsaved(Parameter(Tensor(0, mstype.int32), name="accu_state.loss_contract_step",
+                                             requires_grad=False))
+        # Python state. `probed`: the probe ran (graphs compiled later leave the in-graph comparison out), on inputs of
+        # `layout` (dtypes and ranks). `failed`: the probe cannot run eagerly (the graph compares instead).
+        self.probed = False
+        self.layout = None
         self.failed = False
-        self.graph_checks = False
-        self.gradients_fail = False
+        self.findings = None
+        self._held = None   # the probe's HeldDraws while it runs
+
+    @property
+    def _network(self) -> nn.Cell:
+        """The network the engine runs (a recognised loss's counting copy, where it counts)."""
+        return self._scaled_loss.loss_of_inputs.network
 
     @compile_time
-    def graph_steps(self) -> Parameter:
-        return self._graph_steps.parameter
+    def graph_runs(self) -> Parameter:
+        return self._graph_runs.parameter
 
     @compile_time
     def in_graph(self) -> bool:
-        """Whether the graph being compiled holds the check: it is on and the eager check has not run (where it can,
-        it has run by the time a graph compiles, or stopped)."""
-        return self.enabled and not self.passed
+        """Whether the graph being compiled compares values itself: the check is on and the probe has not run (where it
+        can, it has run by the time a graph compiles, or stopped)."""
+        return self.enabled and not self.probed
 
-    def count_step(self, engine: nn.Cell, inputs: tuple) -> None:
-        """A step on `inputs` (the owner's; the batch) is about to compile or run: counted, and on the steps
-        :func:`check_due` names the check runs first (:meth:`check_step`). The step counter of diagnostics.calls does
-        the same, inline."""
-        self.steps += 1
-        if check_due(self.steps):
-            self.check_step(engine, inputs)
+    # --- the first call ---------------------------------------------------------------------------------------------
 
-    def check_step(self, engine: nn.Cell, inputs: tuple) -> None:
-        """The check, eagerly, where it is on (it raises on a mismatch, before anything is compiled or updated). Where
-        it cannot run eagerly (a semi-auto/auto-parallel graph's global shapes, inputs without data, a network that runs
-        only in graph mode), the graph runs it."""
-        if self.enabled and not self.failed and not self._graph_runs_it():
-            self._check_eagerly(engine, inputs)
-
-    def _graph_runs_it(self) -> bool:
-        # Read from the graph's step counter (a device read, on the steps due only, until it has counted one).
-        if not self.graph_checks and not self.passed and int(self.graph_steps.asnumpy()) > 0:
-            self.graph_checks = True
-        return self.graph_checks
-
-    def _passes(self, engine: nn.Cell, inputs: tuple, whole: Optional[int] = None):
-        """The tallies ``[(value, count), ...]`` of the network's forward pass, eagerly, on the first micro-batch, on
-        the second and on the two together (with `whole`, that split input given whole to each), their rows and the
-        batch's split (for :meth:`_gradient_passes`); None where the passes cannot run (the graph runs the check
-        then)."""
-        if parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
+    def first_call(self, engine: nn.Cell, inputs: tuple):
+        """Before the first step's graph compiles or runs on `inputs` (the owner's; the batch): the probe, where the
+        check is on, unless it ran on inputs of the same layout. Returns the kind the probe found (an
+        ``IgnoredLabelMean``) where it differs from the cell's, else None; raises :class:`LossContractError` where the
+        loss does not combine."""
+        if not self.enabled or self.failed:
             return None
-        if not inputs or any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape)) for x in inputs):
+        layout = tuple((x.dtype, x.ndim) if isinstance(x, Tensor) else type(x) for x in inputs)
+        if self.probed and layout == self.layout:
             return None
-        batch = BatchRows(engine, inputs)
-        sizes = batch.micro_rows[:2]
-        if len(sizes) < 2:
-            return None
-        spans = [(0, sizes[0]), (sizes[0], sizes[0] + sizes[1]), (0, sizes[0] + sizes[1])]
-        calls = [(batch.rows(start, stop, whole), ONE, stop - start, ONE) for start, stop in spans]
-        outputs = run_eagerly(self._scaled_loss, calls)
-        return [(out[1], out[2]) for out in outputs], sizes, batch
-
-    def _gradient_passes(self, batch: BatchRows, sizes: list):
-        """``(tallies, gradients, rows, weights)`` of three passes that take the gradients of `weights`
-        (:meth:`gradient_weights`): on the
-        first half of each of the two micro-batches and on the two halves together (the rows of one micro-batch at
-        most: what they hold for the backward pass is no more than a micro-batch step holds); None where they are not
-        taken or taking them fails (the forward passes have run: an error of the network's was raised there)."""
-        weights = self.gradient_weights()
-        if not weights:
-            return None
-        first, second = (0, max(1, sizes[0] // 2)), (sizes[0], sizes[0] + max(1, sizes[1] // 2))
-        calls = [(batch.spans(spans), ONE, sum(stop - start for start, stop in spans), ONE)
-                 for spans in ([first], [second], [first, second])]
         try:
-            outputs = run_eagerly(GradientPass(self._scaled_loss, weights), calls)
-        except Exception:  # pylint: disable=broad-except
-            self.gradients_fail = True   # not differentiable eagerly: the values alone decide from now on
-            return None
-        return [(out[1], out[2]) for out in outputs], [out[4] for out in outputs], calls[2][2], weights
-
-    def gradient_weights(self) -> list:
-        """The weights whose gradients the check compares besides the losses: the network's last two trainable ones
-        (usually its output layer's, so the backward pass is short); none where the network's own cells count the
-        loss (a recognised loss: exact by construction), where batch statistics or random cells make the passes
-        differ anyway, or where taking them failed once."""
-        if self.noisy or self.gradients_fail or self._scaled_loss.counts_in_network:
-            return []
-        return self._scaled_loss.trainable_params()[-2:]
-
-    def _check_eagerly(self, engine: nn.Cell, inputs: tuple) -> None:
-        """The check on the eager passes (see :meth:`check_step`): raises on a mismatch, or leaves it to the graph where
-        the passes cannot run."""
-        try:
-            found = self._passes(engine, inputs)
-        except Exception as error:  # pylint: disable=broad-except
-            self._on_error(error, engine, inputs)
-            return
-        if found is None:
-            return
-        (first, second, pair), sizes, batch = found
-        self.passed = True
-        if not all(np.isfinite(x.asnumpy()).all() for x in first + second):
-            return   # a non-finite micro-batch: the engine's own check stops the step, naming it
-        try:
-            with eager_mode():
-                self._compare(pair[0], pair[1], first[0] + second[0], first[1] + second[1], ONE, sum(sizes),
-                              self.steps)
-        except ValueError as error:
+            findings = self.probe(engine, inputs)
+        except LossContractError as error:
             error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
             raise
-        gradient_passes = self._gradient_passes(batch, sizes)   # only once the values held
-        if gradient_passes is not None:
-            self.compare_gradients(*gradient_passes, self.steps)
+        except Exception as error:  # pylint: disable=broad-except
+            self._on_error(error, engine, inputs)
+            return None
+        if findings is None:
+            return None
+        self.probed, self.layout, self.findings = True, layout, findings
+        return findings.kind if findings.kind != self.kind else None
+
+    def reachable(self, inputs: tuple) -> bool:
+        """Whether the probe can run on `inputs`: stand-alone or data parallel, Tensors with data and static shapes."""
+        if parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
+            return False
+        return bool(inputs) and not any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape))
+                                        for x in inputs)
+
+    def probe(self, engine: nn.Cell, inputs: tuple, public: bool = False) -> Optional[Findings]:
+        """The probe on `inputs` (see the module docstring): raises :class:`LossContractError` where the loss does not
+        combine, else returns what it found; None where it cannot run (the graph compares then). `public`: messages
+        name ``check_loss_contract``'s arguments."""
+        if not self.reachable(inputs):
+            return None
+        batch = BatchRows(engine, inputs)
+        sizes = batch.micro_rows
+        if len(sizes) < 2:
+            return None
+        network = self._network
+        starts = np.cumsum([0] + sizes[:-1]).tolist()
+        compared = (float("nan"), float("nan"), 0, None)
+        with training_off(batch_norm_cells(network, cells=True)), HeldDraws(network) as held:
+            self._held = held
+            try:
+                # Twice on micro-batch 0, its draws held for the first pass only: a network that draws random values
+                # (dropout, noise) differs, and gets the gradient probe alone, its draws held the same in every pass.
+                first = self._values(batch, [[(0, sizes[0])]] * 2, before_each=_first_only(held.repeat))
+                random = not all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(first[0], first[1]))
+                separable, probed, kind, ignore = self._gradient_probe(batch, sizes, held, public)
+                if not random:
+                    broken = []
+                    if separable is None:   # no gradient reaches a float input: integer inputs by their values
+                        kind, ignore, broken = self._ignored_labels(batch, sizes)
+                    compared = self._every_row(batch, sizes, starts, kind, public)
+                    for position, found, sentinel in broken:
+                        raise LossContractError(self._values_labels_message(position, found, sentinel, public))
+                    if separable is None:
+                        self._zeros(batch, sizes, kind, public)
+            finally:
+                self._held = None
+        return Findings(kind, separable, probed, ignore, random, compared[2], batch.batch, compared[0], compared[1],
+                        compared[3])
+
+    def _values(self, batch: BatchRows, parts: list, kind=None, change=None, changed=(), before_each=None) -> list:
+        """``[(value, count), ...]``: the kind's tally (`kind`, else the cell's) of the network's loss on each part
+        (``[(start, stop), ...]`` of the batch's rows); `change(arrays)`, if given, changes the split inputs of the
+        parts numbered in `changed` first. Random draws are held the same before each pass (`before_each` instead,
+        if given)."""
+        calls = []
+        for number, spans in enumerate(parts):
+            arrays = batch.arrays(spans)
+            if change is not None and number in changed:
+                arrays = change(arrays)
+            calls.append((batch.inputs_of(arrays), ONE, sum(stop - start for start, stop in spans), ONE))
+        kept = self._scaled_loss.kind
+        self._scaled_loss.kind = kind if kind is not None else self.kind
+        if before_each is None and self._held is not None:
+            before_each = self._held.repeat
+        try:
+            outputs = run_eagerly(self._scaled_loss, calls, before_each=before_each)
+        finally:
+            self._scaled_loss.kind = kept
+        return [(out[1], out[2]) for out in outputs]
+
+    def _combination(self, kind, parts: list, pair: tuple, rows: int) -> tuple:
+        """``(measured, predicted, holds)``: the pair's loss as `kind` reads it, the same combined from the `parts`'
+        own tallies, and whether they agree (every value `kind` compares); NaN where a part is not finite."""
+        with eager_mode():
+            measured = kind.compared(pair[0], pair[1], rows, ONE)
+            predicted = kind.compared(sum(part[0] for part in parts), sum(part[1] for part in parts), rows, ONE)
+        measured = [float(x.asnumpy().reshape(())) for x in measured]
+        predicted = [float(x.asnumpy().reshape(())) for x in predicted]
+        holds = all(_close(m, p, self.rtol) for m, p in zip(measured, predicted))
+        return measured[0], predicted[0], holds
+
+    # --- 1. coupling through float inputs -----------------------------------------------------------------------------
+
+    def _gradient_probe(self, batch: BatchRows, sizes: list, held: HeldDraws, public: bool) -> tuple:
+        """``(separable, probed, kind, ignore)``, from the gradient of the weighted loss (:class:`WeightedGradients`)
+        with respect to the float inputs of the first half of micro-batch 0 (B), on B and the first half of
+        micro-batch 1 (A) together: unchanged, and with one input of A changed at a time (a float input moved by
+        :data:`STEP` of its size; half the entries of any input set to 0, and of an integer input to the ignored
+        label). The kind's contract, a weighted loss that adds up over rows, is that B's gradient does not move; raises
+        where it does (the cause named by what moved it). Where the ignored label moves it but a mean over the labels
+        that are not -100 holds, that is the `kind` from now on (``IgnoredLabelMean``, input `ignore`). ``(None, (),
+        kind, None)`` where no gradient reaches a float input."""
+        floats = [index for index, x in enumerate(batch.split) if _is_float(x)]
+        if not floats:
+            return None, (), self.kind, None
+        rows_b, rows_a = max(1, sizes[0] // 2), max(1, sizes[1] // 2)
+        base = batch.arrays([(0, rows_b), (sizes[0], sizes[0] + rows_a)])
+        positions = tuple(batch.positions[index] for index in floats)
+        generator = np.random.RandomState(0)
+        sentinel = self._sentinel()
+        changes = []   # (split index, what): what = "moved", 0 (set to 0 or False) or the sentinel
+        for index, x in enumerate(batch.split):
+            if index in floats:
+                changes.append((index, "moved"))
+            if isinstance(x, Tensor) and x[:1].size > 0:
+                changes.append((index, 0))
+            if _is_integer(x):
+                changes.append((index, sentinel))
+
+        def changed(index, what):
+            arrays = list(base)
+            part = arrays[index][rows_b:]
+            if what == "moved":
+                part = part.astype(np.float64)
+                scale = float(np.abs(part).mean()) or 1.0
+                part = part + STEP * generator.standard_normal(part.shape) * (np.abs(part) + scale)
+            else:
+                flat = part.reshape(-1).copy()
+                flat[::2] = False if part.dtype == np.bool_ else what
+                part = flat.reshape(part.shape)
+            arrays[index] = np.concatenate([arrays[index][:rows_b], part.astype(base[index].dtype)])
+            return batch.inputs_of(arrays)
+
+        def moves(kind, calls):
+            """How far B's gradient moves with each change of `calls[1:]` against `calls[0]`, in its size (None where
+            the passes fail or are not finite)."""
+            kept = self._scaled_loss.kind
+            self._scaled_loss.kind = kind
+            try:
+                outputs = run_eagerly(WeightedGradients(self._scaled_loss, positions, rows_a + rows_b), calls,
+                                      before_each=held.repeat)
+            except Exception:  # pylint: disable=broad-except
+                return None
+            finally:
+                self._scaled_loss.kind = kept
+            grads = [[g.asnumpy()[:rows_b].astype(np.float64) for g in out] for out in outputs]
+            size = max(float(np.abs(g).max()) if g.size else 0.0 for g in grads[0])
+            if not np.isfinite(size) or size == 0:
+                return None
+            return [[_movement(g, r, size) for g, r in zip(out, grads[0])] for out in grads[1:]]
+
+        calls = [batch.inputs_of(base)] + [changed(index, what) for index, what in changes]
+        moved = moves(self.kind, calls)
+        if moved is None or not held.complete:
+            return None, (), self.kind, None
+        # coupled[(changed input, differentiated input)]: how far B's gradient moved, where it moved (non-finite too).
+        coupled, kind, ignore = {}, self.kind, None
+        for (index, what), out in zip(changes, moved):
+            for target, (move, scaled) in zip(floats, out):
+                if not move <= COUPLING:
+                    coupled.setdefault((index, what), {})[target] = (move, scaled)
+        labels = [index for (index, what) in coupled if what == sentinel and what != 0 and (index, 0) not in coupled]
+        if labels and isinstance(kind, RowMean) and not self.declared:
+            index = labels[0]
+            candidate = IgnoredLabelMean(batch.positions[index])
+            counted = moves(candidate, [calls[0], changed(index, sentinel)] +
+                            [changed(i, what) for i, what in changes if i == index and what == 0])
+            if counted is not None and all(move <= COUPLING for out in counted for move, _ in out):
+                kind, ignore = candidate, batch.positions[index]
+                del coupled[(index, sentinel)]
+        if coupled:
+            raise LossContractError(self._gradient_message(batch, coupled, floats, sentinel, rows_b, rows_a, kind,
+                                                           public))
+        return True, positions, kind, ignore
+
+    def _substituted(self, batch: BatchRows, sizes: list, index: int, value, kind) -> Optional[tuple]:
+        """``(measured, predicted, holds)`` of micro-batches 0 and 1 (:meth:`_combination` under `kind`) with half of
+        micro-batch 0's entries of split input `index` set to `value`; None where that tells nothing (the network
+        refuses the value, a loss is not finite, or the micro-batch has one entry)."""
+        rows = sizes[0] + sizes[1]
+
+        def change(arrays):
+            changed = _set_half(arrays[index], sizes[0], value)
+            return arrays[:index] + [changed] + arrays[index + 1:]
+        if _set_half(batch.split[index][:sizes[0]].asnumpy(), sizes[0], value) is None:
+            return None
+        try:
+            one, two, both = self._values(batch, [[(0, sizes[0])], [(sizes[0], rows)], [(0, rows)]], kind, change,
+                                          changed=(0, 2))
+        except Exception:  # pylint: disable=broad-except
+            return None   # the network refuses that value there: it says nothing about the loss
+        found = self._combination(kind, [one, two], both, rows)
+        return found if np.isfinite(found[:2]).all() else None
+
+    def _sentinel(self) -> int:
+        """The label a mean over valid labels leaves out: the recognised cells' own ``ignore_index`` where the cell
+        counts them, else -100."""
+        kind = self.kind
+        found = {getattr(cell, "ignore_index", IGNORE_INDEX) for name, cell in self._network.cells_and_names()
+                 if kind.counts_in_network and (name or "network") in getattr(kind, "cells", ())}
+        return found.pop() if len(found) == 1 and isinstance(next(iter(found)), int) else IGNORE_INDEX
+
+    def _ignored_labels(self, batch: BatchRows, sizes: list) -> tuple:
+        """``(kind, ignore, broken)``: half of micro-batch 0's entries of each integer input set to the ignored label
+        (:meth:`_sentinel`). Where that breaks a row mean nothing declared but fits a mean over the labels that are not
+        -100, the kind becomes ``IgnoredLabelMean`` of that input (`ignore`); the other inputs it breaks are `broken`
+        (``[(position, found), ...]``, raised after the values are compared: a sum breaks it too)."""
+        kind, ignore, broken = self.kind, None, []
+        sentinel = self._sentinel()
+        for index, x in enumerate(batch.split):
+            if not _is_integer(x):
+                continue
+            found = self._substituted(batch, sizes, index, sentinel, kind)
+            if found is None or found[2]:
+                continue
+            position = batch.positions[index]
+            if isinstance(kind, RowMean) and not self.declared and ignore is None:
+                candidate = IgnoredLabelMean(position)
+                counted = self._substituted(batch, sizes, index, sentinel, candidate)
+                if counted is not None and counted[2]:
+                    kind, ignore = candidate, position
+                    continue
+            broken.append((position, found, sentinel))
+        return kind, ignore, broken
+
+    def _zeros(self, batch: BatchRows, sizes: list, kind, public: bool) -> None:
+        """Half of micro-batch 0's entries of each split input set to 0 (False): raises where the loss then does not
+        combine over micro-batches 0 and 1 as `kind` does (a normaliser taken over the batch from that input: an
+        integer mask, a count of thresholded targets)."""
+        for index, x in enumerate(batch.split):
+            found = self._substituted(batch, sizes, index, False if x.dtype == mstype.bool_ else 0, kind)
+            if found is not None and not found[2]:
+                raise LossContractError(self._through_message(batch.positions[index], "set to 0", found, sizes, kind,
+                                                              public))
+
+    # --- 3. every row's values ----------------------------------------------------------------------------------------
+
+    def _every_row(self, batch: BatchRows, sizes: list, starts: list, kind, public: bool) -> tuple:
+        """``(measured, predicted, rows, not_finite)``: each micro-batch's loss and each micro-batch with the next
+        together, compared as `kind` combines them; raises at the first pair that does not combine. The pair closest to failing
+        is returned; nothing is compared where a micro-batch's loss is not finite (`not_finite`: the first such; the
+        engine stops that step, naming it)."""
+        spans = [(start, start + rows) for start, rows in zip(starts, sizes)]
+        singles = [[span] for span in spans]
+        pairs = [[(spans[i][0], spans[i + 1][1])] for i in range(len(spans) - 1)]
+        outputs = self._values(batch, singles + pairs, kind)
+        own, together = outputs[:len(singles)], outputs[len(singles):]
+        finite = [all(np.isfinite(x.asnumpy()).all() for x in out) for out in own]
+        if not all(finite):
+            return float("nan"), float("nan"), 0, finite.index(False)
+        worst = (float("nan"), float("nan"), -1.0)
+        for i, both in enumerate(together):
+            rows = sizes[i] + sizes[i + 1]
+            measured, predicted, holds = self._combination(kind, own[i:i + 2], both, rows)
+            if not holds:
+                raise LossContractError(self._values_message(i, spans[i][0], spans[i + 1][1], measured, predicted,
+                                                             sizes, kind, public))
+            gap = abs(measured - predicted) / max(abs(measured), abs(predicted), 1e-30)
+            if gap > worst[2]:
+                worst = (measured, predicted, gap)
+        return worst[0], worst[1], batch.batch, None
+
+    # --- messages -----------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _routes(public: bool) -> tuple:
+        """``(token route, sum route)`` in the arguments of the entry point the message is for."""
+        if public:
+            return ("return (loss_sum, count) from the network and pass kind=ms_gradaccum.TokenMean()",
+                    "kind=ms_gradaccum.RowSum()")
+        return ("return (loss_sum, count) from the network and pass per_token_loss=True (min_count=1.0 for a "
+                "max(count, 1) floor)", "reduction='sum'")
+
+    def _taken_as(self, kind) -> str:
+        if self.declared:
+            return f"the cell was told the loss is {kind.description}"
+        return f"the cell takes the loss for {kind.description}"
+
+    def _gradient_message(self, batch: BatchRows, coupled: dict, floats: list, sentinel: int, rows_b: int,
+                          rows_a: int, kind, public: bool) -> str:
+        """The message for what moved B's gradient (:meth:`_gradient_probe`; `coupled`: ``{(input, change): {target:
+        (moved, scaled)}}``). Scaled as a whole by a change of another row's input (a mask, weights, the data a count
+        is taken from): a normaliser taken over the batch through that input. Only by the ignored label: a mean over
+        valid labels mixed with another term. Otherwise the rows meet across the batch (similarities, statistics)."""
+        scaled = [(index, what) for (index, what), targets in coupled.items()
+                  if any(scale for _, scale in targets.values()) and what != sentinel]
+        if scaled:
+            index, what = min(scaled, key=lambda change: (change[1] == "moved", change[0]))
+            move = max(move for move, _ in coupled[(index, what)].values())
+            return self._coupled_message(batch.positions[index], False, what, move, rows_b, rows_a, kind, public)
+        if all(what == sentinel for _, what in coupled):
+            index = next(iter(coupled))[0]
+            move = max(move for move, _ in coupled[(index, sentinel)].values())
+            return self._labels_message(batch.positions[index], move, sentinel, rows_b, rows_a, public)
+        index, what = min((change for change in coupled if change[1] != sentinel),
+                          key=lambda change: (change[1] != "moved", change[0]))
+        move = max(move for move, _ in coupled[(index, what)].values())
+        return self._coupled_message(batch.positions[index], True, what, move, rows_b, rows_a, kind, public)
+
+    def _coupled_message(self, position: int, first: bool, what, moved: float, rows_b: int, rows_a: int, kind,
+                         public: bool) -> str:
+        name = self.loss_name
+        how = "moved by a tenth of its size" if what == "moved" else "set to 0 in half of its entries"
+        probe = (f"Found on the first call: with input {position} {how} on {rows_a} rows, the gradient of the loss "
+                 f"(weighted as {self._taken_as(kind)}) on {rows_b} other rows moved by {_number(moved)} of its size; "
+                 f"rows that are independent move by 0.")
+        if first:
+            later = "" if public else (" check_loss=False would train another objective (the mean of micro-batch "
+                                       "losses), not this one.")
+            return (f"For '{self.owner_name}', the loss of {name} couples the rows of a batch, so no split into "
+                    f"micro-batches gives the full batch's update: train with micro_size=1 (a smaller batch if memory "
+                    f"is short), or a loss whose rows are independent. {probe} Losses over the batch's rows together "
+                    f"(InfoNCE over its similarity matrix, mining over the batch, statistics over the batch inside the "
+                    f"network) are such losses.{later}")
+        token, _ = self._routes(public)
+        return (f"For '{self.owner_name}', the loss of {name} is normalised over the whole batch through input "
+                f"{position}: {token}, so that the batch's sum is divided by the batch's count. {probe} A masked or "
+                f"sample-weighted mean, or a normaliser from the targets, splits into a mean of micro-batch means, "
+                f"which is not the batch's mean.")
+
+    def _through_message(self, position: int, how: str, found: tuple, sizes: list, kind, public: bool) -> str:
+        token, _ = self._routes(public)
+        measured, predicted, _ = found
+        return (f"For '{self.owner_name}', the loss of {self.loss_name} is normalised over the whole batch through "
+                f"input {position}: {token}. Found on the first call: with half of micro-batch 0's entries of input "
+                f"{position} {how}, the loss on micro-batches 0 and 1 together ({sizes[0] + sizes[1]} rows) is "
+                f"{_number(measured)}, but combined from their own losses as {self._taken_as(kind)} it is "
+                f"{_number(predicted)}: a mean of micro-batch means is not the batch's mean.")
+
+    def _labels_message(self, position: int, moved: float, sentinel: int, rows_b: int, rows_a: int,
+                        public: bool) -> str:
+        token, _ = self._routes(public)
+        return (f"For '{self.owner_name}', the loss of {self.loss_name} leaves out the labels of input {position} "
+                f"that are {sentinel}, but is not a mean over the other labels alone (a term averaged over the rows "
+                f"beside it?), so no weighting of micro-batches gives the full batch's update once a batch holds such "
+                f"labels: {token}, giving each term its sum and count (ms_gradaccum.token_sum_loss for "
+                f"nn.CrossEntropyLoss). Found on the first call: with half of input {position}'s entries on {rows_a} "
+                f"rows set to {sentinel}, the gradient of the loss on {rows_b} other rows moved by {_number(moved)} of "
+                f"its size, in a way no count of valid labels explains.")
+
+    def _values_labels_message(self, position: int, found: tuple, sentinel: int, public: bool) -> str:
+        token, _ = self._routes(public)
+        measured, predicted, _ = found
+        return (f"For '{self.owner_name}', the loss of {self.loss_name} leaves out the labels of input {position} "
+                f"that are {sentinel}, but is not a mean over the other labels alone (a term averaged over the rows "
+                f"beside it?), so no weighting of micro-batches gives the full batch's update once a batch holds such "
+                f"labels: {token}, giving each term its sum and count (ms_gradaccum.token_sum_loss for "
+                f"nn.CrossEntropyLoss). Found on the first call: with half of micro-batch 0's labels set to "
+                f"{sentinel}, the loss on micro-batches 0 and 1 together is {_number(measured)}, combined from their "
+                f"own {_number(predicted)}.")
+
+    def _values_message(self, pair: int, start: int, stop: int, measured: float, predicted: float, sizes: list,
+                        kind, public: bool) -> str:
+        token, total = self._routes(public)
+        name = self.loss_name
+        rows = sizes[pair] + sizes[pair + 1]
+        where = (f"on micro-batches {pair} and {pair + 1} together (rows {start} to {stop - 1}) it is "
+                 f"{_number(measured)}, but combined from their own losses as {self._taken_as(kind)} it is "
+                 f"{_number(predicted)}")
+        ratio = measured / predicted if predicted else None
+        grows = ratio is not None and abs(ratio - rows / max(sizes[pair], sizes[pair + 1])) < 0.05 * ratio
+        if grows:
+            return (f"For '{self.owner_name}', the loss of {name} grows with the rows it is given (a sum, or a mean "
+                    f"times the batch size): pass {total}. Found on the first call: {where}.")
+        return (f"For '{self.owner_name}', the loss of {name} does not combine over micro-batches as a mean over its "
+                f"rows: {where}. A normalisation over the batch that changes from batch to batch (a count of "
+                f"thresholded targets, a sentinel label other than {IGNORE_INDEX}): {token}; a sum: pass {total}.")
+
+    def shared_input_hint(self, engine: nn.Cell, inputs: tuple) -> str:
+        """Where giving one split input whole to every micro-batch makes the loss combine: the advice to declare it
+        (an input shared by the whole batch whose axis 0 only equals the batch size); _failures asks it too. Tried,
+        not guessed: per-row labels of a loss whose normalisation is the problem give no such advice."""
+        try:
+            batch = BatchRows(engine, inputs)
+        except Exception:  # pylint: disable=broad-except
+            return ""
+        sizes = batch.micro_rows
+        if len(sizes) < 2 or not self.reachable(inputs):
+            return ""
+        rows = sizes[0] + sizes[1]
+        for position, (role, index) in enumerate(batch.layout):
+            if role != SPLIT or index == 0:
+                continue
+            try:
+                calls = [(batch.rows(start, stop, index), ONE, stop - start, ONE)
+                         for start, stop in ((0, sizes[0]), (sizes[0], rows), (0, rows))]
+                one, two, both = [(out[1], out[2]) for out in run_eagerly(self._scaled_loss, calls)]
+                if not self._combination(self.kind, [one, two], both, rows)[2]:
+                    continue
+            except Exception:  # pylint: disable=broad-except
+                continue
+            name = f" ('{engine.input_names[position]}')" if position < len(engine.input_names) else ""
+            return (f" Given whole to every micro-batch, input {position}{name} makes the loss combine: if it is not "
+                    f"one row per sample but shared by the whole batch (class weights, ids or a mask of fixed size) "
+                    f"whose axis 0 only equals the batch size, declare it (e.g. shared_inputs=({position},)): every "
+                    f"micro-batch then gets it whole.")
+        return ""
 
     def _on_error(self, error: Exception, engine: nn.Cell, inputs: tuple) -> None:
         """An error of the eager passes: one the network raises on micro-batch rows only is the split's, and says so;
@@ -244,110 +635,51 @@ class ContractCheck(PrecisionNeutral):
             split_only = False
         if split_only:
             # A graph built from it would fail the same way, at compile or only at run time, without the context.
-            # The pair's rows where its pass (the last) failed, else a micro-batch's.
-            sizes = batch.micro_rows
-            pair_rows_run = sizes[0] + sizes[1] if getattr(error, "eager_call", None) == 2 else 0
             from ms_gradaccum.diagnostics.failures import failure_context   # pylint: disable=import-outside-toplevel
-            with_context(error, failure_context(self.owner_name, self.micro_size, engine, inputs, pair_rows_run))
+            with_context(error, failure_context(self.owner_name, self.micro_size, engine, inputs, 0))
             raise error
         # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with its
-        # own message. The graph runs the pass (and raises what it has to).
+        # own message. The graph compares values itself (and raises what it has to).
         self.failed = True
 
-    def shared_input_hint(self, engine: nn.Cell, inputs: tuple) -> str:
-        """Where giving one split input whole to every micro-batch makes the loss combine: the advice to declare it
-        (an input shared by the whole batch whose axis 0 only equals the batch size); _failures asks it too. Tried,
-        not guessed: per-row labels of a loss whose normalisation is the problem give no such advice."""
-        for position, (role, index) in enumerate(BatchRows(engine, inputs).layout):
-            if role != SPLIT or index == 0:
-                continue
-            try:
-                (first, second, pair), sizes, _ = self._passes(engine, inputs, whole=index)
-                with eager_mode():
-                    self._compare(pair[0], pair[1], first[0] + second[0], first[1] + second[1], ONE, sum(sizes),
-                                  self.steps)
-            except Exception:  # pylint: disable=broad-except
-                continue
-            name = f" ('{engine.input_names[position]}')" if position < len(engine.input_names) else ""
-            return (f" Given whole to every micro-batch, input {position}{name} makes the loss combine: if it is not "
-                    f"one row per sample but shared by the whole batch (class weights, ids or a mask of fixed size) "
-                    f"whose axis 0 only equals the batch size, declare it (e.g. shared_inputs=({position},)): every "
-                    f"micro-batch then gets it whole.")
-        return ""
+    # --- the graph's comparison, where the probe cannot run -----------------------------------------------------------
 
-    def compare_gradients(self, tallies, gradients, rows, weights, step, where="on step "):
-        """Raises where the gradients of the pair's pass (`gradients[2]`, over its divisor) differ from the sum of the
-        two parts' (over theirs), as the engine combines them: what the loss values cannot show while the rows' losses
-        are alike (a sample-weighted mean at initialisation), each weight's largest difference against its largest
-        gradient. `tallies`: the passes' ``(value, count)``; `rows`: the pair's; `weights`: those differentiated
-        (:meth:`_gradient_passes`)."""
-        (first, second, pair), (grad_first, grad_second, grad_pair) = tallies, gradients
-        if not all(np.isfinite(x.asnumpy()).all() for x in first + second + pair):
-            return   # a part without a valid row (0/0): the engine's own check names a micro-batch that is not finite
-        with eager_mode():
-            measured = self.kind.normalise(ONE, pair[0], pair[1], 1.0, rows, ONE)[1]
-            predicted = self.kind.normalise(ONE, first[0] + second[0], first[1] + second[1], 1.0, rows, ONE)[1]
-        measured, predicted = (float(x.asnumpy().reshape(())) for x in (measured, predicted))
-        if not (np.isfinite([measured, predicted]).all() and measured > 0 and predicted > 0):
-            return   # nothing counted (a divisor of 0 or infinity): nothing to compare
-        for weight, one, other, together in zip(weights, grad_first, grad_second, grad_pair):
-            whole = together.asnumpy().astype(np.float64) / measured
-            combined = (one.asnumpy().astype(np.float64) + other.asnumpy().astype(np.float64)) / predicted
-            size, difference = float(np.abs(combined).max()), float(np.abs(whole - combined).max())
-            if not difference <= self.rtol * size + ATOL:
-                raise ValueError(
-                    f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the cell "
-                    f"computes it, so training would not give the full batch's update: {where}{step}, the gradient of "
-                    f"its loss on the first halves of the first two micro-batches together ({rows} rows) differs from "
-                    f"the one combined from their own by {readable(difference / size if size else float('inf'))} of "
-                    f"its largest element (weight '{weight.name}'), though the losses agree: a normalisation over the "
-                    f"batch whose rows' losses are still alike.{self.noise} {routes(self.kind)}")
-
-    def _mismatch(self, measured, predicted):
-        """Whether `measured` and `predicted` differ beyond the tolerance; a NaN on either side is a mismatch."""
-        if self.noisy:
-            ratio = measured / ops.select(predicted == 0, ops.ones_like(predicted), predicted)
-            return ops.logical_not(ops.logical_and(ratio <= NOISY_BAND, ratio >= 1 / NOISY_BAND))
-        return ops.logical_not(ops.abs(measured - predicted) <= self.rtol * ops.abs(predicted) + ATOL)
-
-    def _compare(self, value, count, pair_value, pair_count, count_unit, rows, step, where="on step "):
-        """Raises where the network's `value` and `count` on the pair's `rows` together do not match its tallies of the
-        two micro-batches, `pair_value` and `pair_count` (eagerly, and in the graph where it runs the pass), all in
-        count units `unit`; returns whether they differ (False). The message says where: ``where + step``."""
+    def _compare(self, value, count, pair_value, pair_count, count_unit, rows):
+        """Raises, in the graph, where the network's `value` and `count` on the first two micro-batches together
+        (`rows`) do not match the loop's tallies of the two, `pair_value` and `pair_count` (in units `count_unit`)."""
         measured = self.kind.compared(value, count, rows, count_unit)
         predicted = self.kind.compared(pair_value, pair_count, rows, count_unit)
-        bad = self._mismatch(measured[0], predicted[0])
-        for one, other in zip(measured[1:], predicted[1:]):
-            bad = ops.logical_or(bad, self._mismatch(one, other))
-        measured, predicted = measured[0], predicted[0]
+        bad = Tensor(False)
+        for one, other in zip(measured, predicted):
+            size = ops.maximum(ops.abs(one), ops.abs(other))
+            bad = ops.logical_or(bad, ops.logical_not(ops.abs(one - other) <= self.rtol * size))
         if bad:
-            ratio = readable(measured / predicted)
-            measured, predicted = readable(measured), readable(predicted)
             raise ValueError(
-                f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the "
-                f"cell computes it, so training would not give the full batch's update: {where}{step}, its loss on "
-                f"the first two micro-batches together ({rows} rows) is {measured}, but combined from their own "
-                f"losses it is {predicted} (ratio {ratio}; about 2 means the loss scales with the rows, other values "
-                f"a normalisation over the batch).{self.noise} {routes(self.kind)}")
+                f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the cell combines "
+                f"it, so training would not give the full batch's update: on the first step, its loss on the first two "
+                f"micro-batches together ({rows} rows) is {readable(measured[0])}, but combined from their own losses "
+                f"it is {readable(predicted[0])}. Compared inside the graph, where the probe of the loss's structure "
+                f"cannot run (a train cell of one's own, a jit function, sink mode): a sum over the rows needs "
+                f"reduction='sum'; a normalisation over the batch (a mask, sample weights, a count) needs "
+                f"(loss_sum, count) and per_token_loss=True.")
         return bad
 
     def construct(self, split, others, pair_value, pair_count, count_unit, after):
-        """Where the check could not run eagerly: on the steps due, the pass on the pair inside the graph, compared with
-        the loop's tallies (`after` is returned, made to depend on it)."""
+        """Where the probe could not run: on the graph's first run, the pass on the first two micro-batches together
+        inside the graph, compared with the loop's tallies (`after` is returned, made to depend on it)."""
         if self.in_graph:
             rows = pair_rows(split[0].shape[0], self.micro_size)
             if rows > 0:
-                step = self.graph_steps + 1
-                after = ops.depend(after, ops.assign(self.graph_steps, step))
-                if _due_in_graph(step):
+                first = self.graph_runs == 0
+                after = ops.depend(after, ops.assign(self.graph_runs, ops.ones_like(self.graph_runs)))
+                if first:
                     shared, constants, layout = others
                     pair = ()
                     for x in split:
                         pair += (x[:rows],)
                     out = self.scaled_loss_cell(assemble(pair, shared, constants, layout), Tensor(1.0, mstype.float32),
                                                 rows, count_unit)
-                    after = ops.depend(after, self._compare(out[1], out[2], pair_value, pair_count, count_unit, rows,
-                                                            step))
+                    after = ops.depend(after, self._compare(out[1], out[2], pair_value, pair_count, count_unit, rows))
         return after
 
     @compile_time

@@ -9,8 +9,22 @@ import numpy as np
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum._mindspore.graph import eager_mode
-from ms_gradaccum._microbatch import assemble, micro_batch_rows, split_as_compiled
+from ms_gradaccum._microbatch import SPLIT, assemble, micro_batch_rows, split_as_compiled
 from ms_gradaccum._validation import is_batch_statistic
+
+
+@contextlib.contextmanager
+def training_off(cells: list):
+    """`cells` in eval mode (``set_train(False)``) for the duration, each put back as it was: batch normalisation then
+    normalises with its moving statistics, row by row, as the probe's passes need."""
+    kept = [(cell, cell.training) for cell in cells]
+    try:
+        for cell, _ in kept:
+            cell.set_train(False)
+        yield
+    finally:
+        for cell, training in kept:
+            cell.set_train(training)
 
 
 @contextlib.contextmanager
@@ -69,12 +83,25 @@ class BatchRows:
         micro = tuple(x if index == whole else x[start:stop] for index, x in enumerate(self.split))
         return assemble(micro, self.shared, self.constants, self.layout)
 
+    @property
+    def positions(self) -> list:
+        """The network's input position of each split input, in the split inputs' order."""
+        return [position for position, (role, _) in sorted(enumerate(self.layout), key=lambda item: item[1][1])
+                if role == SPLIT]
+
+    def arrays(self, spans: list) -> list:
+        """The split inputs' rows in `spans` (``[(start, stop), ...]``), one after the other, as NumPy arrays (to be
+        changed and given back to :meth:`inputs_of`)."""
+        return [np.concatenate([x[start:stop].asnumpy() for start, stop in spans]) for x in self.split]
+
+    def inputs_of(self, arrays: list) -> tuple:
+        """The network's inputs with the split ones from `arrays` (:meth:`arrays`), each a Tensor of its own: MindSpore
+        2.7's PyNative gradient of a pass given a slice of a Tensor (a view) is not the slice's."""
+        return assemble(tuple(Tensor(a) for a in arrays), self.shared, self.constants, self.layout)
+
     def spans(self, spans: list) -> tuple:
-        """The network's inputs for the batch's rows in `spans` (``[(start, stop), ...]``), one after the other, each
-        a Tensor of its own: MindSpore 2.7's PyNative gradient of a pass given a slice of a Tensor (a view) is not the
-        slice's."""
-        micro = tuple(Tensor(np.concatenate([x[start:stop].asnumpy() for start, stop in spans])) for x in self.split)
-        return assemble(micro, self.shared, self.constants, self.layout)
+        """The network's inputs for the batch's rows in `spans`, one after the other (:meth:`arrays`)."""
+        return self.inputs_of(self.arrays(spans))
 
 
 def runs_on(network: nn.Cell, args: tuple) -> bool:
@@ -86,20 +113,21 @@ def runs_on(network: nn.Cell, args: tuple) -> bool:
     return True
 
 
-def run_eagerly(network: nn.Cell, calls: list, around_first=None) -> list:
+def run_eagerly(network: nn.Cell, calls: list, before_each=None) -> list:
     """The one place the package runs the user's network outside a graph (the loss contract's check, and the error
     decoration's tries): its forward pass on each argument tuple of `calls`, eagerly (PyNative mode, no gradient
     unless `network` takes one itself, as the check's ``GradientPass``), each output read at once (PyNative runs
     asynchronously: an error surfaces when a result is read). BatchNorm's moving statistics and what cells' own
-    ``__call__`` set are put back after, so the passes leave the network as they found it. `around_first`, a context
-    manager, is entered around the first call only. An error raised by a call carries that call's index as
+    ``__call__`` set are put back after, so the passes leave the network as they found it. `before_each`, if given, is
+    called before each call (``HeldDraws.repeat``). An error raised by a call carries that call's index as
     ``eager_call``."""
     outputs = []
     with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
         for index, args in enumerate(calls):
             try:
-                with around_first if index == 0 and around_first is not None else contextlib.nullcontext():
-                    out = network(*args)
+                if before_each is not None:
+                    before_each()
+                out = network(*args)
                 for item in out if isinstance(out, (tuple, list)) else (out,):
                     if hasattr(item, "asnumpy"):
                         item.asnumpy()
