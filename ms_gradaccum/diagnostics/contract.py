@@ -87,12 +87,8 @@ class Findings:
 
 def loss_name(network: nn.Cell) -> str:
     """The network's class, and its loss cell's (the last ``nn.LossBase`` in it), for messages."""
-    losses = [(name, cell) for name, cell in network.cells_and_names() if isinstance(cell, nn.LossBase) and name]
-    text = type(network).__name__
-    if losses:
-        name, cell = losses[-1]
-        text += f" (loss cell '{name}': {type(cell).__name__})"
-    return text
+    losses = [type(cell).__name__ for name, cell in network.cells_and_names() if isinstance(cell, nn.LossBase) and name]
+    return type(network).__name__ + (f" ({losses[-1]})" if losses else "")
 
 
 def _close(measured: float, predicted: float, rtol: float) -> bool:
@@ -117,12 +113,14 @@ class WeightedGradients(nn.Cell):
 
     def __init__(self, scaled_loss: nn.Cell, positions: tuple, rows: int):
         super().__init__(auto_prefix=False)
-        object.__setattr__(self, "_scaled_loss", scaled_loss)   # the engine's own cell, not a child of this one
+        # A child (no prefix: no name changes), so that the eager pass puts back what the network's cells set
+        # (diagnostics.eager.run_eagerly reads the cells of the cell it runs).
+        self.scaled_loss = scaled_loss
         object.__setattr__(self, "_positions", tuple(positions))
         object.__setattr__(self, "_rows", rows)
 
     def weighted(self, *args):
-        return self._scaled_loss(args, ONE, self._rows, ONE)[0]
+        return self.scaled_loss(args, ONE, self._rows, ONE)[0]
 
     def construct(self, *args):
         # Made here, in PyNative mode with recording on: ms.grad reads the mode when it is made, and made in graph mode
@@ -356,23 +354,32 @@ class ContractCheck(PrecisionNeutral):
             arrays[index] = np.concatenate([arrays[index][:rows_b], part.astype(base[index].dtype)])
             return batch.inputs_of(arrays)
 
-        def moves(kind, calls):
-            """How far B's gradient moves with each change of `calls[1:]` against `calls[0]`, in its size (None where
-            the passes fail or are not finite)."""
+        def gradients(kind, inputs):
+            """B's gradient on `inputs` with the cell's loss taken as `kind`; None where the network refuses them."""
             kept = self._scaled_loss.kind
             self._scaled_loss.kind = kind
             try:
-                outputs = run_eagerly(WeightedGradients(self._scaled_loss, positions, rows_a + rows_b), calls,
-                                      before_each=held.repeat)
+                out = run_eagerly(WeightedGradients(self._scaled_loss, positions, rows_a + rows_b), [inputs],
+                                  before_each=held.repeat)[0]
             except Exception:  # pylint: disable=broad-except
                 return None
             finally:
                 self._scaled_loss.kind = kept
-            grads = [[g.asnumpy()[:rows_b].astype(np.float64) for g in out] for out in outputs]
-            size = max(float(np.abs(g).max()) if g.size else 0.0 for g in grads[0])
+            return [g.asnumpy()[:rows_b].astype(np.float64) for g in out]
+
+        def moves(kind, calls):
+            """How far B's gradient moves with each change of `calls[1:]` against `calls[0]` (:func:`_movement`, one
+            per float input), None for a change the network refuses; None for all where the unchanged pass gives no
+            finite gradient."""
+            reference = gradients(kind, calls[0])
+            size = max((float(np.abs(g).max()) for g in reference if g.size), default=0.0) if reference else 0.0
             if not np.isfinite(size) or size == 0:
                 return None
-            return [[_movement(g, r, size) for g, r in zip(out, grads[0])] for out in grads[1:]]
+            found = []
+            for inputs in calls[1:]:
+                out = gradients(kind, inputs)
+                found.append(None if out is None else [_movement(g, r, size) for g, r in zip(out, reference)])
+            return found
 
         calls = [batch.inputs_of(base)] + [changed(index, what) for index, what in changes]
         moved = moves(self.kind, calls)
@@ -381,18 +388,19 @@ class ContractCheck(PrecisionNeutral):
         # coupled[(changed input, differentiated input)]: how far B's gradient moved, where it moved (non-finite too).
         coupled, kind, ignore = {}, self.kind, None
         for (index, what), out in zip(changes, moved):
-            for target, (move, scaled) in zip(floats, out):
+            for target, (move, scaled) in zip(floats, out or ()):   # a change the network refuses tells nothing
                 if not move <= COUPLING:
                     coupled.setdefault((index, what), {})[target] = (move, scaled)
-        labels = [index for (index, what) in coupled if what == sentinel and what != 0 and (index, 0) not in coupled]
+        labels = [index for (index, what) in coupled if what == sentinel and what != 0]
         if labels and isinstance(kind, RowMean) and not self.declared:
             index = labels[0]
             candidate = IgnoredLabelMean(batch.positions[index])
-            counted = moves(candidate, [calls[0], changed(index, sentinel)] +
-                            [changed(i, what) for i, what in changes if i == index and what == 0])
-            if counted is not None and all(move <= COUPLING for out in counted for move, _ in out):
+            counted = moves(candidate, [calls[0], changed(index, sentinel), changed(index, 0)])
+            if counted is not None and all(out is not None and all(move <= COUPLING for move, _ in out)
+                                           for out in counted):
                 kind, ignore = candidate, batch.positions[index]
-                del coupled[(index, sentinel)]
+                coupled.pop((index, sentinel))
+                coupled.pop((index, 0), None)
         if coupled:
             raise LossContractError(self._gradient_message(batch, coupled, floats, sentinel, rows_b, rows_a, kind,
                                                            public))
@@ -538,7 +546,7 @@ class ContractCheck(PrecisionNeutral):
                     f"(InfoNCE over its similarity matrix, mining over the batch, statistics over the batch inside the "
                     f"network) are such losses.{later}")
         token, _ = self._routes(public)
-        return (f"For '{self.owner_name}', the loss of {name} is normalised over the whole batch through input "
+        return (f"For '{self.owner_name}', the loss of {name} is normalised over the batch through input "
                 f"{position}: {token}, so that the batch's sum is divided by the batch's count. {probe} A masked or "
                 f"sample-weighted mean, or a normaliser from the targets, splits into a mean of micro-batch means, "
                 f"which is not the batch's mean.")
@@ -546,11 +554,11 @@ class ContractCheck(PrecisionNeutral):
     def _through_message(self, position: int, how: str, found: tuple, sizes: list, kind, public: bool) -> str:
         token, _ = self._routes(public)
         measured, predicted, _ = found
-        return (f"For '{self.owner_name}', the loss of {self.loss_name} is normalised over the whole batch through "
+        return (f"For '{self.owner_name}', the loss of {self.loss_name} is normalised over the batch through "
                 f"input {position}: {token}. Found on the first call: with half of micro-batch 0's entries of input "
                 f"{position} {how}, the loss on micro-batches 0 and 1 together ({sizes[0] + sizes[1]} rows) is "
-                f"{_number(measured)}, but combined from their own losses as {self._taken_as(kind)} it is "
-                f"{_number(predicted)}: a mean of micro-batch means is not the batch's mean.")
+                f"{_number(measured)}, but {_number(predicted)} combined from their own losses as "
+                f"{self._taken_as(kind)}: a mean of micro-batch means is not the batch's mean.")
 
     def _labels_message(self, position: int, moved: float, sentinel: int, rows_b: int, rows_a: int,
                         public: bool) -> str:
@@ -566,30 +574,31 @@ class ContractCheck(PrecisionNeutral):
     def _values_labels_message(self, position: int, found: tuple, sentinel: int, public: bool) -> str:
         token, _ = self._routes(public)
         measured, predicted, _ = found
-        return (f"For '{self.owner_name}', the loss of {self.loss_name} leaves out the labels of input {position} "
-                f"that are {sentinel}, but is not a mean over the other labels alone (a term averaged over the rows "
-                f"beside it?), so no weighting of micro-batches gives the full batch's update once a batch holds such "
-                f"labels: {token}, giving each term its sum and count (ms_gradaccum.token_sum_loss for "
-                f"nn.CrossEntropyLoss). Found on the first call: with half of micro-batch 0's labels set to "
-                f"{sentinel}, the loss on micro-batches 0 and 1 together is {_number(measured)}, combined from their "
-                f"own {_number(predicted)}.")
+        return (f"For '{self.owner_name}', the loss of {self.loss_name} does not combine over micro-batches once "
+                f"labels of input {position} are {sentinel}: {token}, giving each term its sum and count "
+                f"(ms_gradaccum.token_sum_loss for nn.CrossEntropyLoss). Found on the first call, on its values (no "
+                f"gradient reaches a float input here): with half of micro-batch 0's labels set to {sentinel}, the "
+                f"loss on micro-batches 0 and 1 together is {_number(measured)}, but {_number(predicted)} combined "
+                f"from their own. A mean over valid labels with another term beside it, or a normalisation over the "
+                f"batch, does this.")
 
     def _values_message(self, pair: int, start: int, stop: int, measured: float, predicted: float, sizes: list,
                         kind, public: bool) -> str:
         token, total = self._routes(public)
         name = self.loss_name
         rows = sizes[pair] + sizes[pair + 1]
-        where = (f"on micro-batches {pair} and {pair + 1} together (rows {start} to {stop - 1}) it is "
-                 f"{_number(measured)}, but combined from their own losses as {self._taken_as(kind)} it is "
-                 f"{_number(predicted)}")
+        where = (f"on micro-batches {pair} and {pair + 1} together (rows {start} to {stop - 1}) its loss is "
+                 f"{_number(measured)}, but {_number(predicted)} combined from their own losses as "
+                 f"{self._taken_as(kind)}")
         ratio = measured / predicted if predicted else None
         grows = ratio is not None and abs(ratio - rows / max(sizes[pair], sizes[pair + 1])) < 0.05 * ratio
         if grows:
             return (f"For '{self.owner_name}', the loss of {name} grows with the rows it is given (a sum, or a mean "
                     f"times the batch size): pass {total}. Found on the first call: {where}.")
-        return (f"For '{self.owner_name}', the loss of {name} does not combine over micro-batches as a mean over its "
-                f"rows: {where}. A normalisation over the batch that changes from batch to batch (a count of "
-                f"thresholded targets, a sentinel label other than {IGNORE_INDEX}): {token}; a sum: pass {total}.")
+        return (f"For '{self.owner_name}', the loss of {name} does not combine over micro-batches: if it is "
+                f"normalised by something taken over the batch, {token}; if it is a sum, pass {total}. Found on the "
+                f"first call: {where} (a count of thresholded targets, or labels other than {IGNORE_INDEX} left out, "
+                f"do this).")
 
     def shared_input_hint(self, engine: nn.Cell, inputs: tuple) -> str:
         """Where giving one split input whole to every micro-batch makes the loss combine: the advice to declare it
@@ -657,8 +666,8 @@ class ContractCheck(PrecisionNeutral):
             raise ValueError(
                 f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the cell combines "
                 f"it, so training would not give the full batch's update: on the first step, its loss on the first two "
-                f"micro-batches together ({rows} rows) is {readable(measured[0])}, but combined from their own losses "
-                f"it is {readable(predicted[0])}. Compared inside the graph, where the probe of the loss's structure "
+                f"micro-batches together ({rows} rows) is {readable(measured[0])}, but {readable(predicted[0])} "
+                f"combined from their own losses. Compared inside the graph, where the probe of the loss's structure "
                 f"cannot run (a train cell of one's own, a jit function, sink mode): a sum over the rows needs "
                 f"reduction='sum'; a normalisation over the batch (a mask, sample weights, a count) needs "
                 f"(loss_sum, count) and per_token_loss=True.")
