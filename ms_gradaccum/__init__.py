@@ -3,6 +3,7 @@ from ms_gradaccum import _mindspore  # noqa: F401  (first: refuses a MindSpore o
 from ms_gradaccum._cell import GradAccumulationCell as GradAccumulationCell
 from ms_gradaccum._check import EquivalenceReport as EquivalenceReport
 from ms_gradaccum._check import check_equivalence as check_equivalence
+from ms_gradaccum._kinds import IgnoredLabelMean as IgnoredLabelMean
 from ms_gradaccum._kinds import LossKind as LossKind
 from ms_gradaccum._kinds import RowMean as RowMean
 from ms_gradaccum._kinds import RowSum as RowSum
@@ -16,5 +17,5 @@ from ms_gradaccum.diagnostics.loss_contract import check_loss_contract as check_
 __version__ = "0.3.0"
 
 __all__ = ["AccumulatingTrainOneStepCell", "EquivalenceReport", "GradAccumulationCell", "GradAccumulationScheduler",
-           "LossContractReport", "LossKind", "RowMean", "RowSum", "TokenMean", "__version__", "check_equivalence",
-           "check_loss_contract", "token_sum_loss"]
+           "IgnoredLabelMean", "LossContractReport", "LossKind", "RowMean", "RowSum", "TokenMean", "__version__",
+           "check_equivalence", "check_loss_contract", "token_sum_loss"]

@@ -470,9 +470,9 @@ class ContractCheck(PrecisionNeutral):
 
     def _every_row(self, batch: BatchRows, sizes: list, starts: list, kind, public: bool) -> tuple:
         """``(measured, predicted, rows, not_finite)``: each micro-batch's loss and each micro-batch with the next
-        together, compared as `kind` combines them; raises at the first pair that does not combine. The pair closest to failing
-        is returned; nothing is compared where a micro-batch's loss is not finite (`not_finite`: the first such; the
-        engine stops that step, naming it)."""
+        together, compared as `kind` combines them; raises at the first pair that does not combine. The pair closest to
+        failing is returned; nothing is compared where a micro-batch's loss is not finite (`not_finite`: the first such;
+        the engine stops that step, naming it)."""
         spans = [(start, start + rows) for start, rows in zip(starts, sizes)]
         singles = [[span] for span in spans]
         pairs = [[(spans[i][0], spans[i + 1][1])] for i in range(len(spans) - 1)]
