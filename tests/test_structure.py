@@ -155,8 +155,8 @@ def train(make_loss, data, how, check_loss=True, mode=ms.GRAPH_MODE):
     (Model(GradAccumulationCell)); with warnings recorded."""
     ms.set_context(mode=mode)
     net = make_mlp()
-    initial = params_of(net)
     loss_net = make_loss(net)
+    initial = params_of(net)   # named as in the loss network
     optimizer = nn.Momentum(net.trainable_params(), 0.1, 0.9)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -265,7 +265,7 @@ CASES = [
     # (loss, data, what the message says first)
     (MaskedMean, "ragged", "is normalised over the batch through input 2: return (loss_sum, count)"),
     (lambda net: MaskedMean(net, 1e-6), "sorted", "is normalised over the batch through input 2: return (loss_sum"),
-    (ThresholdedCount, "", "is normalised over the batch through input 2: return (loss_sum, count)"),
+    (ThresholdedCount, "ragged", "is normalised over the batch through input 2: return (loss_sum, count)"),
     (lambda net: OwnCrossEntropy(net, auxiliary=True), "ignored",
      "leaves out the labels of input 1 that are -100, but is not a mean over the other labels alone"),
     (BatchStandardised, "", "couples the rows of a batch, so no split into micro-batches gives the full batch's "
@@ -283,8 +283,9 @@ IDS = ["masked_mean", "small_masked_mean_sorted", "thresholded_count", "ignored_
 def test_structure_coupled_losses_stop_on_step_1_with_the_cause_first(make_loss, change, says):
     data = batches(3, change)
     net = make_mlp()
+    loss_net = make_loss(net)
     before = params_of(net)
-    step = nn.TrainOneStepCell(GradAccumulationCell(make_loss(net), K), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+    step = nn.TrainOneStepCell(GradAccumulationCell(loss_net, K), nn.Momentum(net.trainable_params(), 0.1, 0.9))
     with pytest.raises(ValueError) as caught:
         step(*(Tensor(a) for a in data[0]))
     message = str(caught.value)
