@@ -96,7 +96,9 @@ class ScaledLoss(PrecisionNeutral):
     def counted_calls(self):
         return self._counter.calls
 
-    def construct(self, inputs, scale, rows, count_unit):
+    def loss_and_count(self, inputs, rows):
+        """``(loss, count, calls)`` of the network on `inputs` (`rows` of them): its loss as a float32 scalar, and its
+        count (1 where it returns none; what its recognised cells counted, where the kind counts in the network)."""
         calls = Tensor(1.0, mstype.float32)
         if self.counts_in_network:
             zero = Tensor(0.0, mstype.float32)
@@ -124,6 +126,10 @@ class ScaledLoss(PrecisionNeutral):
         # A single-element loss of shape (1,) is tallied as a scalar; its shape goes back to the owner (loss_like).
         scalar = loss.sum()
         scalar = ops.depend(scalar, record_loss_shape(self.record, loss.shape))
+        return scalar, count, calls
+
+    def construct(self, inputs, scale, rows, count_unit):
+        scalar, count, calls = self.loss_and_count(inputs, rows)
         weight, value, count = self.kind.tally(ops.stop_gradient(scalar), ops.stop_gradient(count), rows, count_unit,
                                                inputs)
         factor = ops.stop_gradient(scale * weight)

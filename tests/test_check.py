@@ -52,7 +52,7 @@ def test_check_fails_for_dropout_and_names_it():
         return nn.WithLossCell(net, _ce())
     report, text = _run(make)
     assert not report.passed
-    assert any(cause.startswith("dropout (_backbone.1 (Dropout))") for cause in report.causes), text
+    assert any(cause.startswith("random draws (Dropout.dropout (Dropout))") for cause in report.causes), text
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

@@ -67,10 +67,10 @@ def test_kinds_new_kind_in_a_test_file_trains_the_full_batch_update(optimizer):
     assert_params_close(params_of(net), expected, **TOLERANCE)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
 
-    # Negative control: the same network told it is a row mean. The first step's check refuses it ...
+    # Negative control: the same network told it is a row mean. The first call's probe refuses it ...
     control = make_mlp()
     row_mean = GradAccumulationCell(WeightedLoss(control), micro_size=4)
-    with pytest.raises(ValueError, match="does not combine over micro-batches"):
+    with pytest.raises(ValueError, match="is normalised over the batch through input 2"):
         _train(nn.TrainOneStepCell(row_mean, make_optimizer(optimizer, control.trainable_params())), batches)
     # ... and without the check it trains another update.
     control = make_mlp()

@@ -108,8 +108,9 @@ def pair_rows(batch: int, micro_size: int) -> int:
 
 
 class WeightedGradients(nn.Cell):
-    """The gradient of a pass's weighted loss (the engine's ``ScaledLoss`` at scale 1: the loss times the kind's weight
-    for its rows, the term a micro-batch adds) with respect to the network's inputs at `positions`, eagerly."""
+    """The gradient of a pass's tallied value (what a micro-batch adds to its batch's sum as the kind tallies it: the
+    loss times the kind's weight for its rows) with respect to the network's inputs at `positions`, eagerly; the
+    weight is differentiated too, where it depends on an input (a kind weighing by an input)."""
 
     def __init__(self, scaled_loss: nn.Cell, positions: tuple, rows: int):
         super().__init__(auto_prefix=False)
@@ -120,7 +121,8 @@ class WeightedGradients(nn.Cell):
         object.__setattr__(self, "_rows", rows)
 
     def weighted(self, *args):
-        return self.scaled_loss(args, ONE, self._rows, ONE)[0]
+        loss, count, _ = self.scaled_loss.loss_and_count(args, self._rows)
+        return self.scaled_loss.kind.tally(loss, count, self._rows, ONE, args)[1]
 
     def construct(self, *args):
         # Made here, in PyNative mode with recording on: ms.grad reads the mode when it is made, and made in graph mode
