@@ -25,11 +25,10 @@ K = 4
 
 def where(cell) -> str:
     contract = cell.engine.contract
-    graph = int(contract.graph_steps.asnumpy())
-    if contract.passed:
-        return "eager" + (" (and graph)" if graph else "")
-    return f"graph ({graph} step(s) counted there)" if graph else ("eager failed, graph off" if contract.failed
-                                                                   else "not run")
+    graph = int(contract.graph_runs.asnumpy())
+    if contract.probed:
+        return "eager probe" + (" (and graph)" if graph else "")
+    return "graph (first run)" if graph else ("eager failed, graph off" if contract.failed else "not run")
 
 
 def _classification(net_fn, in_shape=(16,), batch=32):
