@@ -288,8 +288,9 @@ class MicroBatchGradients(PrecisionNeutral):
                 f"these loss cells ran {ops.cast(calls, mstype.int32)} times in one forward pass. The cell weighs each "
                 f"micro-batch by the labels one call counts; with several calls, each dividing by its own count, no "
                 f"weight per micro-batch gives the full batch's update. Return (loss_sum, count) from the network and "
-                f"pass per_token_loss=True (ms_gradaccum.token_sum_loss gives each loss its sum and count), or pass "
-                f"per_token_loss=False if every micro-batch holds the same number of valid labels for each call.")
+                f"pass per_token_loss=True (ms_gradaccum.token_sum_loss gives each loss its sum and count), or, if "
+                f"every micro-batch holds the same number of valid labels for each call, pass per_token_loss=False "
+                f"and check_loss=False (the first call's probe stops a mean over valid labels declared a row mean).")
         return calls
 
     def _check_finite(self, bad, first_row, last_row, any_finite, batch):

@@ -400,8 +400,9 @@ def test_tokens_recognised_losses_are_exact_whatever_the_later_labels(name, cell
 @pytest.mark.parametrize("cell", sorted(RECOGNISING))
 def test_tokens_recognised_loss_with_a_micro_batch_without_valid_labels_is_exact(cell):
     # A micro-batch whose labels are all ignore_index: its mean is 0/0, the full batch's is finite. Counted, it adds
-    # nothing and the step equals the full batch's. Control: declared a row mean, its NaN stops the step (naming it)
-    # before any weight changes.
+    # nothing and the step equals the full batch's. Control: declared a row mean, the first call's probe stops it
+    # before any weight changes (a mean over valid labels told it is a row mean), and with the check off its NaN
+    # stops the step, naming the micro-batch.
     batches = _later_ignored_batches(empty=True)
     expected, expected_losses, initial, _, _ = _recognised_run(
         "cross_entropy", lambda loss_net, opt: nn.TrainOneStepCell(loss_net, opt), batches)
@@ -409,9 +410,12 @@ def test_tokens_recognised_loss_with_a_micro_batch_without_valid_labels_is_exact
     assert not messages, messages
     assert_params_close(actual, expected, **TOLERANCE)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"is a mean over the labels of input 1 that are not -100, but the cell was "
+                                         r"told the loss is a mean over the rows"):
+        _recognised_run("cross_entropy", RECOGNISING[cell], batches, per_token_loss=False)
     with pytest.raises(ValueError, match=r"micro-batch 1 \(rows 8 to 15 of the batch of 32, micro_size=4\) returned a "
                                          r"non-finite loss"):
-        _recognised_run("cross_entropy", RECOGNISING[cell], batches, per_token_loss=False)
+        _recognised_run("cross_entropy", RECOGNISING[cell], batches, per_token_loss=False, check_loss=False)
 
 
 @pytest.mark.slow
@@ -489,7 +493,7 @@ def test_tokens_recognised_cells_are_found_counted_and_declared_away():
 @pytest.mark.slow
 def test_tokens_recognised_loss_called_twice_in_a_forward_pass_is_refused():
     # One weight per micro-batch cannot stand for two counts: stopped before any update, with the routes. Control: the
-    # same network declared a row mean trains.
+    # same network declared a row mean is stopped by the probe (a mean over valid labels), and trains with it off.
     class TwoHeads(nn.Cell):
         def __init__(self, net):
             super().__init__()
@@ -505,9 +509,14 @@ def test_tokens_recognised_loss_called_twice_in_a_forward_pass_is_refused():
     x, y = classification_batches(1, 32)[0]
     with pytest.raises(ValueError, match=r"these loss cells ran 2 times in one forward pass") as caught:
         step(Tensor(x), Tensor(y))
-    assert "per_token_loss=True" in str(caught.value) and "per_token_loss=False" in str(caught.value)
+    assert "per_token_loss=True" in str(caught.value) and "per_token_loss=False and check_loss=False" in \
+        str(caught.value)
     assert_params_equal(params_of(net), before)
-    step = nn.TrainOneStepCell(GradAccumulationCell(TwoHeads(net), K, per_token_loss=False),
+    with pytest.raises(ValueError, match=r"is a mean over the labels of input 1 that are not -100, but the cell was "
+                                         r"told"):
+        nn.TrainOneStepCell(GradAccumulationCell(TwoHeads(net), K, per_token_loss=False),
+                            make_optimizer("sgd", net.trainable_params()))(Tensor(x), Tensor(y))
+    step = nn.TrainOneStepCell(GradAccumulationCell(TwoHeads(net), K, per_token_loss=False, check_loss=False),
                                make_optimizer("sgd", net.trainable_params()))
     step(Tensor(x), Tensor(y))
     assert max_abs_diff(params_of(net), before) > 0

@@ -199,6 +199,7 @@ class ContractCheck(PrecisionNeutral):
         self.failed = False
         self.findings = None
         self._held = None   # the probe's HeldDraws while it runs
+        self._unchanged = {}   # micro-batch 1's tally by kind, while the probe runs (:meth:`_substituted`)
 
     @property
     def _network(self) -> nn.Cell:
@@ -261,7 +262,7 @@ class ContractCheck(PrecisionNeutral):
         starts = np.cumsum([0] + sizes[:-1]).tolist()
         compared = (float("nan"), float("nan"), 0, None)
         with training_off(batch_norm_cells(network, cells=True)), HeldDraws(network) as held:
-            self._held = held
+            self._held, self._unchanged = held, {}
             try:
                 # Twice on micro-batch 0, its draws held for the first pass only: a network that draws random values
                 # (dropout, noise) differs, and gets the gradient probe alone, its draws held the same in every pass.
@@ -278,7 +279,7 @@ class ContractCheck(PrecisionNeutral):
                     if separable is None:
                         self._zeros(batch, sizes, kind, public)
             finally:
-                self._held = None
+                self._held, self._unchanged = None, {}
         return Findings(kind, separable, probed, ignore, random, compared[2], batch.batch, compared[0], compared[1],
                         compared[3])
 
@@ -394,12 +395,14 @@ class ContractCheck(PrecisionNeutral):
                 if not move <= COUPLING:
                     coupled.setdefault((index, what), {})[target] = (move, scaled)
         labels = [index for (index, what) in coupled if what == sentinel and what != 0]
-        if labels and isinstance(kind, RowMean) and not self.declared:
+        if labels and isinstance(kind, RowMean):
             index = labels[0]
             candidate = IgnoredLabelMean(batch.positions[index])
             counted = moves(candidate, [calls[0], changed(index, sentinel), changed(index, 0)])
             if counted is not None and all(out is not None and all(move <= COUPLING for move, _ in out)
                                            for out in counted):
+                if self.declared:
+                    raise LossContractError(self._declared_message(candidate, public))
                 kind, ignore = candidate, batch.positions[index]
                 coupled.pop((index, sentinel))
                 coupled.pop((index, 0), None)
@@ -420,8 +423,10 @@ class ContractCheck(PrecisionNeutral):
         if _set_half(batch.split[index][:sizes[0]].asnumpy(), sizes[0], value) is None:
             return None
         try:
-            one, two, both = self._values(batch, [[(0, sizes[0])], [(sizes[0], rows)], [(0, rows)]], kind, change,
-                                          changed=(0, 2))
+            one, both = self._values(batch, [[(0, sizes[0])], [(0, rows)]], kind, change, changed=(0, 1))
+            two = self._values(batch, [[(sizes[0], rows)]], kind)[0] if kind not in self._unchanged else \
+                self._unchanged[kind]
+            self._unchanged[kind] = two   # micro-batch 1 as it is: the same for every change of micro-batch 0
         except Exception:  # pylint: disable=broad-except
             return None   # the network refuses that value there: it says nothing about the loss
         found = self._combination(kind, [one, two], both, rows)
@@ -572,6 +577,15 @@ class ContractCheck(PrecisionNeutral):
                 f"nn.CrossEntropyLoss). Found on the first call: with half of input {position}'s entries on {rows_a} "
                 f"rows set to {sentinel}, the gradient of the loss on {rows_b} other rows moved by {_number(moved)} of "
                 f"its size, in a way no count of valid labels explains.")
+
+    def _declared_message(self, found, public: bool) -> str:
+        token, _ = self._routes(public)
+        undeclared = "pass kind=None" if public else "leave per_token_loss, reduction and kind unset"
+        return (f"For '{self.owner_name}', the loss of {self.loss_name} is {found.description}, but "
+                f"{self._taken_as(self.kind)}: {undeclared} and the cell counts those labels on every step, or "
+                f"{token}. Found on the first call: labels of input {found.position} set to {found.ignore_index} on "
+                f"some rows move the gradient on the others exactly as such a mean's count does; a mean of "
+                f"micro-batch means is not the batch's mean once micro-batches hold different numbers of them.")
 
     def _values_labels_message(self, position: int, found: tuple, sentinel: int, public: bool) -> str:
         token, _ = self._routes(public)
