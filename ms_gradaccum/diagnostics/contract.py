@@ -17,10 +17,13 @@ eagerly on rows of that batch with inputs it chooses, and what it finds holds wh
    batch); otherwise the input the loss is normalised through (a mask, sample weights, a count of thresholded targets:
    the ``(loss_sum, count)`` route). Where only the ignored label moved it and a mean over the labels that are not -100
    holds, the loss is counted that way from then on (``_kinds.IgnoredLabelMean``: exact by construction, every step).
-2. **Every row's values** (:meth:`ContractCheck._every_row`; networks that draw no random values). Each micro-batch's
+2. **Integer inputs only** (:meth:`ContractCheck._integer_probe`; a language model's ids and labels, where no gradient
+   reaches a float input): the gradient of the tallied value with respect to the network's last two weights must add
+   up over B and A, unchanged, with A's integer labels set to -100 and with A's inputs set to 0 (losses alike at
+   initialisation do not hide a count: their gradients differ). The same causes, the same counting of -100 labels.
+3. **Every row's values** (:meth:`ContractCheck._every_row`; networks that draw no random values). Each micro-batch's
    loss, and each micro-batch with the next together, compared as the kind combines them, to a relative tolerance: a
-   sum taken for a mean stops here. Where no gradient reaches a float input (integer inputs only), the ignored label
-   and 0 are tried on these values instead (:meth:`ContractCheck._ignored_labels`, :meth:`ContractCheck._zeros`).
+   sum taken for a mean stops here.
 
 Random draws (dropout, noise) are never a reason to stop or to loosen. Where the batch cannot be reached from Python (a
 train cell of one's own, a ``jit`` function, sink mode) or the network runs only in graph mode, the graph compares the
@@ -132,6 +135,19 @@ class WeightedGradients(nn.Cell):
         return gradients if isinstance(gradients, tuple) else (gradients,)
 
 
+class WeightGradients(WeightedGradients):
+    """The gradient of a pass's tallied value (:class:`WeightedGradients`) with respect to `weights`, eagerly."""
+
+    def __init__(self, scaled_loss: nn.Cell, weights: list, rows: int):
+        super().__init__(scaled_loss, (), rows)
+        object.__setattr__(self, "_weights", list(weights))   # not a Cell attribute: nothing of theirs is renamed
+
+    def construct(self, *args):
+        with gradients_recorded():
+            gradients = ms.grad(self.weighted, grad_position=None, weights=self._weights)(*args)
+        return tuple(gradients)
+
+
 def _movement(moved: np.ndarray, before: np.ndarray, size: float) -> tuple:
     """``(movement, scaled)``: how far a gradient moved, in `size` (its largest element before), and whether it moved
     as a whole by one factor (a normaliser changed), to the probe's precision."""
@@ -199,7 +215,6 @@ class ContractCheck(PrecisionNeutral):
         self.failed = False
         self.findings = None
         self._held = None   # the probe's HeldDraws while it runs
-        self._unchanged = {}   # micro-batch 1's tally by kind, while the probe runs (:meth:`_substituted`)
 
     @property
     def _network(self) -> nn.Cell:
@@ -262,7 +277,7 @@ class ContractCheck(PrecisionNeutral):
         starts = np.cumsum([0] + sizes[:-1]).tolist()
         compared = (float("nan"), float("nan"), 0, None)
         with training_off(batch_norm_cells(network, cells=True)), HeldDraws(network) as held:
-            self._held, self._unchanged = held, {}
+            self._held = held
             try:
                 # Twice on micro-batch 0, its draws held for the first pass only: a network that draws random values
                 # (dropout, noise) differs, and gets the gradient probe alone, its draws held the same in every pass.
@@ -270,16 +285,11 @@ class ContractCheck(PrecisionNeutral):
                 random = not all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(first[0], first[1]))
                 separable, probed, kind, ignore = self._gradient_probe(batch, sizes, held, public)
                 if not random:
-                    broken = []
-                    if separable is None:   # no gradient reaches a float input: integer inputs by their values
-                        kind, ignore, broken = self._ignored_labels(batch, sizes)
+                    if separable is None:   # no gradient reaches a float input: the weights' gradients add up
+                        kind, ignore = self._integer_probe(batch, sizes, public)
                     compared = self._every_row(batch, sizes, starts, kind, public)
-                    for position, found, sentinel in broken:
-                        raise LossContractError(self._values_labels_message(position, found, sentinel, public))
-                    if separable is None:
-                        self._zeros(batch, sizes, kind, public)
             finally:
-                self._held, self._unchanged = None, {}
+                self._held = None
         return Findings(kind, separable, probed, ignore, random, compared[2], batch.batch, compared[0], compared[1],
                         compared[3])
 
@@ -411,26 +421,40 @@ class ContractCheck(PrecisionNeutral):
                                                            public))
         return True, positions, kind, ignore
 
-    def _substituted(self, batch: BatchRows, sizes: list, index: int, value, kind) -> Optional[tuple]:
-        """``(measured, predicted, holds)`` of micro-batches 0 and 1 (:meth:`_combination` under `kind`) with half of
-        micro-batch 0's entries of split input `index` set to `value`; None where that tells nothing (the network
-        refuses the value, a loss is not finite, or the micro-batch has one entry)."""
-        rows = sizes[0] + sizes[1]
-
-        def change(arrays):
-            changed = _set_half(arrays[index], sizes[0], value)
-            return arrays[:index] + [changed] + arrays[index + 1:]
-        if _set_half(batch.split[index][:sizes[0]].asnumpy(), sizes[0], value) is None:
-            return None
+    def _additive(self, batch: BatchRows, sizes: list, index: Optional[int], value, kind) -> Optional[tuple]:
+        """``(holds, gap)``: whether the gradient of the tallied value (`kind`'s) with respect to the network's last
+        two trainable weights on B and A together (the first halves of micro-batches 0 and 1) is the sum of theirs on
+        each, with half the entries of A's split input `index` set to `value` (None: unchanged); `gap` is the largest
+        difference over the largest element. None where that tells nothing (the network refuses the value, a
+        gradient is not finite or all zero)."""
+        weights = self._network.trainable_params()[-2:]
+        rows_b, rows_a = max(1, sizes[0] // 2), max(1, sizes[1] // 2)
+        part_b = batch.arrays([(0, rows_b)])
+        part_a = batch.arrays([(sizes[0], sizes[0] + rows_a)])
+        if index is not None:
+            changed = _set_half(part_a[index], rows_a, value)
+            if changed is None:
+                return None
+            part_a = part_a[:index] + [changed] + part_a[index + 1:]
+        together = [np.concatenate([b, a]) for b, a in zip(part_b, part_a)]
+        kept = self._scaled_loss.kind
+        self._scaled_loss.kind = kind
         try:
-            one, both = self._values(batch, [[(0, sizes[0])], [(0, rows)]], kind, change, changed=(0, 1))
-            two = self._values(batch, [[(sizes[0], rows)]], kind)[0] if kind not in self._unchanged else \
-                self._unchanged[kind]
-            self._unchanged[kind] = two   # micro-batch 1 as it is: the same for every change of micro-batch 0
+            gradients = []
+            for arrays, rows in ((part_b, rows_b), (part_a, rows_a), (together, rows_a + rows_b)):
+                out = run_eagerly(WeightGradients(self._scaled_loss, weights, rows), [batch.inputs_of(arrays)],
+                                  before_each=self._held.repeat if self._held is not None else None)[0]
+                gradients.append([g.asnumpy().astype(np.float64) for g in out])
         except Exception:  # pylint: disable=broad-except
             return None   # the network refuses that value there: it says nothing about the loss
-        found = self._combination(kind, [one, two], both, rows)
-        return found if np.isfinite(found[:2]).all() else None
+        finally:
+            self._scaled_loss.kind = kept
+        (one, other, both) = gradients
+        size = max(float(np.abs(g).max()) for g in both + one + other)
+        if not np.isfinite(size) or size == 0:
+            return None
+        gap = max(float(np.abs(w - (u + v)).max()) for w, u, v in zip(both, one, other)) / size
+        return gap <= self.rtol, gap
 
     def _sentinel(self) -> int:
         """The label a mean over valid labels leaves out: the recognised cells' own ``ignore_index`` where the cell
@@ -440,38 +464,50 @@ class ContractCheck(PrecisionNeutral):
                  if kind.counts_in_network and (name or "network") in getattr(kind, "cells", ())}
         return found.pop() if len(found) == 1 and isinstance(next(iter(found)), int) else IGNORE_INDEX
 
-    def _ignored_labels(self, batch: BatchRows, sizes: list) -> tuple:
-        """``(kind, ignore, broken)``: half of micro-batch 0's entries of each integer input set to the ignored label
-        (:meth:`_sentinel`). Where that breaks a row mean nothing declared but fits a mean over the labels that are not
-        -100, the kind becomes ``IgnoredLabelMean`` of that input (`ignore`); the other inputs it breaks are `broken`
-        (``[(position, found), ...]``, raised after the values are compared: a sum breaks it too)."""
-        kind, ignore, broken = self.kind, None, []
+    def _integer_probe(self, batch: BatchRows, sizes: list, public: bool) -> tuple:
+        """``(kind, ignore)`` where no gradient reaches a float input (integer inputs only, as a language model's): the
+        weights' gradient must add up over B and A (:meth:`_additive`), unchanged, with A's integer inputs set to the
+        ignored label (:meth:`_sentinel`; where a row mean breaks and a mean over the labels that are not -100 holds,
+        that is the kind from now on, unless another was declared) and with A's inputs set to 0. Raises where it does
+        not; losses alike at initialisation do not hide it, their gradients differ."""
+        kind, ignore = self.kind, None
+        unchanged = self._additive(batch, sizes, None, None, kind)
+        if unchanged is None:
+            return kind, ignore
         sentinel = self._sentinel()
         for index, x in enumerate(batch.split):
             if not _is_integer(x):
                 continue
-            found = self._substituted(batch, sizes, index, sentinel, kind)
-            if found is None or found[2]:
+            found = self._additive(batch, sizes, index, sentinel, kind)
+            if found is None or found[0]:
                 continue
             position = batch.positions[index]
-            if isinstance(kind, RowMean) and not self.declared and ignore is None:
+            if isinstance(kind, RowMean) and ignore is None:
                 candidate = IgnoredLabelMean(position)
-                counted = self._substituted(batch, sizes, index, sentinel, candidate)
-                if counted is not None and counted[2]:
+                counted = [self._additive(batch, sizes, index, value, candidate) for value in (sentinel, 0)]
+                if all(item is not None and item[0] for item in counted):
+                    if self.declared:
+                        raise LossContractError(self._declared_message(candidate, public))
                     kind, ignore = candidate, position
                     continue
-            broken.append((position, found, sentinel))
-        return kind, ignore, broken
-
-    def _zeros(self, batch: BatchRows, sizes: list, kind, public: bool) -> None:
-        """Half of micro-batch 0's entries of each split input set to 0 (False): raises where the loss then does not
-        combine over micro-batches 0 and 1 as `kind` does (a normaliser taken over the batch from that input: an
-        integer mask, a count of thresholded targets)."""
+            raise LossContractError(self._labels_message(position, found[1], sentinel, max(1, sizes[0] // 2),
+                                                         max(1, sizes[1] // 2), public, weights=True))
         for index, x in enumerate(batch.split):
-            found = self._substituted(batch, sizes, index, False if x.dtype == mstype.bool_ else 0, kind)
-            if found is not None and not found[2]:
-                raise LossContractError(self._through_message(batch.positions[index], "set to 0", found, sizes, kind,
-                                                              public))
+            found = self._additive(batch, sizes, index, False if x.dtype == mstype.bool_ else 0, kind)
+            if found is not None and not found[0]:
+                raise LossContractError(self._coupled_message(batch.positions[index], False, 0, found[1],
+                                                              max(1, sizes[0] // 2), max(1, sizes[1] // 2), kind,
+                                                              public, weights=True))
+        if not unchanged[0]:
+            token, total = self._routes(public)
+            raise LossContractError(
+                f"For '{self.owner_name}', the loss of {self.loss_name} does not combine over micro-batches: if it is "
+                f"normalised by something taken over the batch, {token}; if it is a sum, pass {total}; if its rows "
+                f"meet across the batch (similarities, statistics over the batch), train with micro_size=1. Found on "
+                f"the first call: the gradient of the loss (weighted as {self._taken_as(kind)}) with respect to the "
+                f"last weights on {max(1, sizes[0] // 2) + max(1, sizes[1] // 2)} rows of two micro-batches together "
+                f"differs from the sum of theirs by {_number(unchanged[1])} of its size.")
+        return kind, ignore
 
     # --- 3. every row's values ----------------------------------------------------------------------------------------
 
@@ -538,12 +574,17 @@ class ContractCheck(PrecisionNeutral):
         return self._coupled_message(batch.positions[index], True, what, move, rows_b, rows_a, kind, public)
 
     def _coupled_message(self, position: int, first: bool, what, moved: float, rows_b: int, rows_a: int, kind,
-                         public: bool) -> str:
+                         public: bool, weights: bool = False) -> str:
         name = self.loss_name
-        how = "moved by a tenth of its size" if what == "moved" else "set to 0 in half of its entries"
-        probe = (f"Found on the first call: with input {position} {how} on {rows_a} rows, the gradient of the loss "
-                 f"(weighted as {self._taken_as(kind)}) on {rows_b} other rows moved by {_number(moved)} of its size; "
-                 f"rows that are independent move by 0.")
+        how = {"moved": " moved by a tenth of its size", 0: " set to 0 in half of its entries", None: ""}[what]
+        if weights:
+            probe = (f"Found on the first call: with input {position}{how} on {rows_a} rows, the gradient of the loss "
+                     f"(weighted as {self._taken_as(kind)}) with respect to the last weights on those rows and "
+                     f"{rows_b} others together differs from the sum of theirs by {_number(moved)} of its size.")
+        else:
+            probe = (f"Found on the first call: with input {position}{how} on {rows_a} rows, the gradient of the loss "
+                     f"(weighted as {self._taken_as(kind)}) on {rows_b} other rows moved by {_number(moved)} of its "
+                     f"size; rows that are independent move by 0.")
         if first:
             later = "" if public else (" check_loss=False would train another objective (the mean of micro-batch "
                                        "losses), not this one.")
@@ -568,15 +609,18 @@ class ContractCheck(PrecisionNeutral):
                 f"{self._taken_as(kind)}: a mean of micro-batch means is not the batch's mean.")
 
     def _labels_message(self, position: int, moved: float, sentinel: int, rows_b: int, rows_a: int,
-                        public: bool) -> str:
+                        public: bool, weights: bool = False) -> str:
         token, _ = self._routes(public)
         return (f"For '{self.owner_name}', the loss of {self.loss_name} leaves out the labels of input {position} "
                 f"that are {sentinel}, but is not a mean over the other labels alone (a term averaged over the rows "
                 f"beside it?), so no weighting of micro-batches gives the full batch's update once a batch holds such "
                 f"labels: {token}, giving each term its sum and count (ms_gradaccum.token_sum_loss for "
                 f"nn.CrossEntropyLoss). Found on the first call: with half of input {position}'s entries on {rows_a} "
-                f"rows set to {sentinel}, the gradient of the loss on {rows_b} other rows moved by {_number(moved)} of "
-                f"its size, in a way no count of valid labels explains.")
+                f"rows set to {sentinel}, the gradient of the loss "
+                + (f"with respect to the last weights on those rows and {rows_b} others together differs from the sum "
+                   f"of theirs by {_number(moved)} of its size" if weights else
+                   f"on {rows_b} other rows moved by {_number(moved)} of its size")
+                + ", in a way no count of valid labels explains.")
 
     def _declared_message(self, found, public: bool) -> str:
         token, _ = self._routes(public)
@@ -586,17 +630,6 @@ class ContractCheck(PrecisionNeutral):
                 f"{token}. Found on the first call: labels of input {found.position} set to {found.ignore_index} on "
                 f"some rows move the gradient on the others exactly as such a mean's count does; a mean of "
                 f"micro-batch means is not the batch's mean once micro-batches hold different numbers of them.")
-
-    def _values_labels_message(self, position: int, found: tuple, sentinel: int, public: bool) -> str:
-        token, _ = self._routes(public)
-        measured, predicted, _ = found
-        return (f"For '{self.owner_name}', the loss of {self.loss_name} does not combine over micro-batches once "
-                f"labels of input {position} are {sentinel}: {token}, giving each term its sum and count "
-                f"(ms_gradaccum.token_sum_loss for nn.CrossEntropyLoss). Found on the first call, on its values (no "
-                f"gradient reaches a float input here): with half of micro-batch 0's labels set to {sentinel}, the "
-                f"loss on micro-batches 0 and 1 together is {_number(measured)}, but {_number(predicted)} combined "
-                f"from their own. A mean over valid labels with another term beside it, or a normalisation over the "
-                f"batch, does this.")
 
     def _values_message(self, pair: int, start: int, stop: int, measured: float, predicted: float, sizes: list,
                         kind, public: bool) -> str:
