@@ -267,7 +267,7 @@ CASES = [
     (lambda net: MaskedMean(net, 1e-6), "sorted", "is normalised over the batch through input 2: return (loss_sum"),
     (ThresholdedCount, "ragged", "is normalised over the batch through input 2: return (loss_sum, count)"),
     (lambda net: OwnCrossEntropy(net, auxiliary=True), "ignored",
-     "leaves out the labels of input 1 that are -100, but is not a mean over the other labels alone"),
+     "weighs the labels of input 1 that are -100 otherwise than the cell takes the loss for"),
     (BatchStandardised, "", "couples the rows of a batch, so no split into micro-batches gives the full batch's "
                             "update: train with micro_size=1"),
     (InfoNCE, "", "couples the rows of a batch, so no split into micro-batches gives the full batch's update: train "

@@ -611,16 +611,19 @@ class ContractCheck(PrecisionNeutral):
     def _labels_message(self, position: int, moved: float, sentinel: int, rows_b: int, rows_a: int,
                         public: bool, weights: bool = False) -> str:
         token, _ = self._routes(public)
-        return (f"For '{self.owner_name}', the loss of {self.loss_name} leaves out the labels of input {position} "
-                f"that are {sentinel}, but is not a mean over the other labels alone (a term averaged over the rows "
-                f"beside it?), so no weighting of micro-batches gives the full batch's update once a batch holds such "
-                f"labels: {token}, giving each term its sum and count (ms_gradaccum.token_sum_loss for "
-                f"nn.CrossEntropyLoss). Found on the first call: with half of input {position}'s entries on {rows_a} "
-                f"rows set to {sentinel}, the gradient of the loss "
+        undeclare = "" if public or not self.declared else (
+            "; or, where the cell recognises the loss (nn.CrossEntropyLoss, nn.NLLLoss, MindFormers' "
+            "CrossEntropyLoss), leave per_token_loss, reduction and kind unset and it counts them")
+        return (f"For '{self.owner_name}', the loss of {self.loss_name} weighs the labels of input {position} that are "
+                f"{sentinel} otherwise than {self._taken_as(self.kind)}, so micro-batches holding different numbers "
+                f"of them do not combine into the full batch's update: {token}, giving each term its sum and count "
+                f"(ms_gradaccum.token_sum_loss for nn.CrossEntropyLoss){undeclare}. Found on the first call: with half "
+                f"of input {position}'s entries on {rows_a} rows set to {sentinel}, the gradient of the loss "
                 + (f"with respect to the last weights on those rows and {rows_b} others together differs from the sum "
                    f"of theirs by {_number(moved)} of its size" if weights else
                    f"on {rows_b} other rows moved by {_number(moved)} of its size")
-                + ", in a way no count of valid labels explains.")
+                + ", as no count of the labels alone explains (a mean over valid labels with a term over the rows "
+                  "beside it does this).")
 
     def _declared_message(self, found, public: bool) -> str:
         token, _ = self._routes(public)
