@@ -470,9 +470,8 @@ class ContractCheck(PrecisionNeutral):
         ignored label (:meth:`_sentinel`; where a row mean breaks and a mean over the labels that are not -100 holds,
         that is the kind from now on, unless another was declared) and with A's inputs set to 0. Raises where it does
         not; losses alike at initialisation do not hide it, their gradients differ."""
-        kind, ignore = self.kind, None
-        unchanged = self._additive(batch, sizes, None, None, kind)
-        if unchanged is None:
+        kind, ignore, broken = self.kind, None, []
+        if self._additive(batch, sizes, None, None, kind) is None:
             return kind, ignore
         sentinel = self._sentinel()
         for index, x in enumerate(batch.split):
@@ -490,15 +489,10 @@ class ContractCheck(PrecisionNeutral):
                         raise LossContractError(self._declared_message(candidate, public))
                     kind, ignore = candidate, position
                     continue
-            raise LossContractError(self._labels_message(position, found[1], sentinel, max(1, sizes[0] // 2),
-                                                         max(1, sizes[1] // 2), public, weights=True))
-        for index, x in enumerate(batch.split):
-            found = self._additive(batch, sizes, index, False if x.dtype == mstype.bool_ else 0, kind)
-            if found is not None and not found[0]:
-                raise LossContractError(self._coupled_message(batch.positions[index], False, 0, found[1],
-                                                              max(1, sizes[0] // 2), max(1, sizes[1] // 2), kind,
-                                                              public, weights=True))
-        if not unchanged[0]:
+            broken.append((position, found[1]))
+        # Unchanged, under the kind found: what the batch holds already (ignored labels, uneven counts) shows here.
+        unchanged = self._additive(batch, sizes, None, None, kind)
+        if unchanged is not None and not unchanged[0]:
             token, total = self._routes(public)
             raise LossContractError(
                 f"For '{self.owner_name}', the loss of {self.loss_name} does not combine over micro-batches: if it is "
@@ -507,6 +501,15 @@ class ContractCheck(PrecisionNeutral):
                 f"the first call: the gradient of the loss (weighted as {self._taken_as(kind)}) with respect to the "
                 f"last weights on {max(1, sizes[0] // 2) + max(1, sizes[1] // 2)} rows of two micro-batches together "
                 f"differs from the sum of theirs by {_number(unchanged[1])} of its size.")
+        for position, gap in broken:
+            raise LossContractError(self._labels_message(position, gap, sentinel, max(1, sizes[0] // 2),
+                                                         max(1, sizes[1] // 2), public, weights=True))
+        for index, x in enumerate(batch.split):
+            found = self._additive(batch, sizes, index, False if x.dtype == mstype.bool_ else 0, kind)
+            if found is not None and not found[0]:
+                raise LossContractError(self._coupled_message(batch.positions[index], False, 0, found[1],
+                                                              max(1, sizes[0] // 2), max(1, sizes[1] // 2), kind,
+                                                              public, weights=True))
         return kind, ignore
 
     # --- 3. every row's values ----------------------------------------------------------------------------------------
