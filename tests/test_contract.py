@@ -598,7 +598,7 @@ def test_contract_sample_weighted_mean_with_alike_losses_is_stopped_on_step_1():
     step = _cell()(SampleWeightedMean(net), make_optimizer("momentum", net.trainable_params()))
     # (With a zero last layer no gradient reaches the inputs: the probe reads the values, with labels it chooses.)
     with pytest.raises(ValueError, match=r"the loss of SampleWeightedMean \(SoftmaxCrossEntropyWithLogits\) does not "
-                                         r"combine over micro-batches .*per_token_loss=True"):
+                                         r"combine over micro-batches.*per_token_loss=True"):
         step(*(Tensor(a) for a in batches[0]))
     assert all(np.array_equal(value, before[name]) for name, value in params_of(net).items()), "the weights moved"
     with pytest.raises(ValueError, match=r"return \(loss_sum, count\) from the network and pass "
