@@ -124,12 +124,13 @@ class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, Spec
     Contract: the full-batch update, exactly, when the loss is a mean over independent rows (or, with
     ``per_token_loss=True``, ``(loss_sum, count)``, or a sum with ``reduction='sum'``). A mean over valid labels that
     the cell recognises (``nn.CrossEntropyLoss``/``nn.NLLLoss`` with ``reduction='mean'``, MindFormers'
-    ``CrossEntropyLoss``) is made exact whatever its labels, weighting each micro-batch by its count. The contract is
-    checked on the first step and again on later ones (``check_loss``), and a micro-batch whose loss is not finite while
-    others' are stops the step; either stops before any update, with the route that fits. BatchNorm is warned about (its
-    statistics are per micro-batch); dropout draws other masks, equal in distribution, and is not. Which weights:
-    `weights`, else those the wrapping train cell differentiates, else those with ``requires_grad=True``, found when the
-    graph compiles. Details: ``docs/design.md``.
+    ``CrossEntropyLoss``, and a loss of one's own found to be a mean over labels other than -100) is made exact
+    whatever its labels, weighting each micro-batch by its count. The contract is decided from the loss's structure on
+    the first call (``check_loss``), whatever the batch holds, and a micro-batch whose loss is not finite while others'
+    are stops the step; either stops before any update, with the cause and the route. BatchNorm is warned about (its
+    statistics are per micro-batch); random draws (dropout, noise) differ, equal in distribution, and are not. Which
+    weights: `weights`, else those the wrapping train cell differentiates, else those with ``requires_grad=True``, found
+    when the graph compiles. Details: ``docs/design.md``.
 
     Args:
         network (Cell): Returns a single-element loss (``()`` or ``(1,)``), e.g. ``nn.WithLossCell(net, loss_fn)``.
@@ -141,9 +142,10 @@ class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, Spec
         shared_inputs (Union[int, tuple[int]]): Inputs every micro-batch receives whole. Default: ``()``.
         reduction (str, optional): ``'mean'`` or ``'sum'`` over the rows. Default: ``None`` (``'mean'``).
         min_count (float, optional): With `per_token_loss`, the floor of the batch's count. Default: ``None`` (0).
-        check_loss (bool): Check the loss contract on steps 1, 2, 4, ..., 1024 and every 1024th after (the loss and,
-            eagerly, the last two weights' gradients on the first two micro-batches together against their own; eager
-            where the batch can be reached). Default: ``True``.
+        check_loss (bool): Probe the loss's structure on the first call, eagerly (some rows' inputs changed, the
+            gradient on others compared; every row's values where the network draws no random values): a loss that
+            does not combine over micro-batches stops before any update. Where the batch cannot be reached, the graph
+            compares the first step's values. Default: ``True``.
         weights (Union[None, list[Parameter], tuple[Parameter]]): The weights to accumulate, each of `network`, once.
         kind (LossKind, optional): The loss kind as an object (``ms_gradaccum.LossKind``: what a micro-batch tallies,
             how the sums are normalised), instead of `per_token_loss`, `reduction` and `min_count`; see

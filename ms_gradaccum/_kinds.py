@@ -2,7 +2,7 @@
 gradient. A kind is one object (as optax's microbatching ``Accumulator``); no other module branches on its type, only
 on what it declares (``returns_count``, ``checks_counts``, ``counts_in_network``, ``in_parallel_pass``).
 
-Per micro-batch (in the graph, and eagerly for the first step's check) :meth:`LossKind.tally` returns ``(weight, value,
+Per micro-batch (in the graph, and eagerly for the first call's probe) :meth:`LossKind.tally` returns ``(weight, value,
 count)``: the backward pass runs on ``loss * scale * weight``, so the buffers hold ``scale * sum(weight * gradient)``;
 ``value`` and ``count`` are summed over the batch or window (and over devices where :attr:`sums_across_ranks`), and
 :meth:`LossKind.normalise` turns the sums into the loss and the buffers' divisor (``_buffers.normalise``).
@@ -75,7 +75,7 @@ class LossKind:
         return ops.maximum(count, self.min_count) <= 0
 
     def compared(self, value, count, rows, count_unit):
-        """What the first step's check compares between the network's loss on two micro-batches together and the
+        """What the probe's value comparison compares between the network's loss on two micro-batches together and the
         combination of their own (the first is the one the message quotes)."""
         return (self.normalise(Tensor(1.0, mstype.float32), value, count, 1.0, rows, count_unit)[0],)
 

@@ -1,4 +1,4 @@
-"""The one place the package runs the user's network outside a graph: the loss contract's passes (_contract) and the
+"""The one place the package runs the user's network outside a graph: the loss contract's probe (contract) and the
 tries behind the error context (_failures) both call :func:`run_eagerly`, which puts the network back as it found it.
 """
 import contextlib
@@ -29,7 +29,7 @@ def training_off(cells: list):
 
 @contextlib.contextmanager
 def moving_statistics_kept(network: nn.Cell):
-    """Puts BatchNorm's moving statistics back as they were: the check's pass is not a training step."""
+    """Puts BatchNorm's moving statistics back as they were: the probe's pass is not a training step."""
     kept = [(param, Tensor(param.asnumpy())) for name, param in network.parameters_and_names()
             if is_batch_statistic(name)]
     try:
@@ -116,7 +116,7 @@ def runs_on(network: nn.Cell, args: tuple) -> bool:
 def run_eagerly(network: nn.Cell, calls: list, before_each=None) -> list:
     """The one place the package runs the user's network outside a graph (the loss contract's check, and the error
     decoration's tries): its forward pass on each argument tuple of `calls`, eagerly (PyNative mode, no gradient
-    unless `network` takes one itself, as the check's ``GradientPass``), each output read at once (PyNative runs
+    unless `network` takes one itself, as the probe's ``WeightedGradients``), each output read at once (PyNative runs
     asynchronously: an error surfaces when a result is read). BatchNorm's moving statistics and what cells' own
     ``__call__`` set are put back after, so the passes leave the network as they found it. `before_each`, if given, is
     called before each call (``HeldDraws.repeat``). An error raised by a call carries that call's index as
