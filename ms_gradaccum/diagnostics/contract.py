@@ -94,9 +94,12 @@ def loss_name(network: nn.Cell) -> str:
     return type(network).__name__ + (f" ({losses[-1]})" if losses else "")
 
 
-def _close(measured: float, predicted: float, rtol: float) -> bool:
-    """Equal within `rtol` of the larger; a NaN on either side is not."""
-    return abs(measured - predicted) <= rtol * max(abs(measured), abs(predicted))
+def _close(measured: float, predicted: float, rtol: float, half: bool = False) -> bool:
+    """Equal within `rtol` of the larger (and, for a network computing in float16, `rtol` or a few of float16's steps at
+    that size: a loss below float16's normal range keeps few digits); a NaN on either side is not."""
+    size = max(abs(measured), abs(predicted))
+    step = 4 * float(np.spacing(np.float16(size))) if half and np.isfinite(size) else 0.0
+    return abs(measured - predicted) <= rtol * size + step
 
 
 def _number(value: float) -> str:
@@ -203,7 +206,7 @@ class ContractCheck(PrecisionNeutral):
         self.enabled = enabled
         self.declared = declared
         self.owner_name = cls_name
-        self.rtol = RTOL_FLOAT16 if computes_in_float16(network) else RTOL
+        object.__setattr__(self, "_user_network", network)   # the user's network (not a child): its precision now
         self.loss_name = loss_name(network)   # the user's network, for messages (not the engine's counting copy)
         # Whether the graph's own comparison has run (0: not yet).
         self._graph_runs = Unsaved(Parameter(Tensor(0, mstype.int32), name="accu_state.loss_contract_step",
@@ -215,6 +218,17 @@ class ContractCheck(PrecisionNeutral):
         self.failed = False
         self.findings = None
         self._held = None   # the probe's HeldDraws while it runs
+
+    @compile_time
+    def half(self) -> bool:
+        """Whether the network computes in float16, as it is now (``Model``'s ``amp_level`` sets it after the cell is
+        built)."""
+        return computes_in_float16(self._user_network)
+
+    @compile_time
+    def rtol(self) -> float:
+        """The value comparisons' relative tolerance: float32 reductions in another order; float16 rounds far more."""
+        return RTOL_FLOAT16 if self.half else RTOL
 
     @property
     def _network(self) -> nn.Cell:
@@ -322,7 +336,7 @@ class ContractCheck(PrecisionNeutral):
             predicted = kind.compared(sum(part[0] for part in parts), sum(part[1] for part in parts), rows, ONE)
         measured = [float(x.asnumpy().reshape(())) for x in measured]
         predicted = [float(x.asnumpy().reshape(())) for x in predicted]
-        holds = all(_close(m, p, self.rtol) for m, p in zip(measured, predicted))
+        holds = all(_close(m, p, self.rtol, self.half) for m, p in zip(measured, predicted))
         return measured[0], predicted[0], holds
 
     # --- 1. coupling through float inputs -----------------------------------------------------------------------------
