@@ -116,6 +116,14 @@ def eager_mode():
             ms.set_context(mode=mode)
 
 
+def in_function_gradient(cell: nn.Cell) -> bool:
+    """Whether, in PyNative mode, `cell` runs inside a gradient that the caller takes of a Python function
+    (``ms.value_and_grad(forward_fn)``): PyNative builds a gradient graph and `cell` was not made a gradient's cell (a
+    train cell's network, or the function of ``ms.value_and_grad`` itself). An error raised by an eager pass there loses
+    that gradient's record (MindSpore clears its top cell: "Can not find top cell for backward")."""
+    return ms.get_context("mode") == ms.PYNATIVE_MODE and PYNATIVE_EXECUTOR.grad_flag() and not cell.requires_grad
+
+
 @contextlib.contextmanager
 def gradients_recorded():
     """Gradient recording on inside :func:`eager_mode` (which turns it off), for the duration; restored after."""

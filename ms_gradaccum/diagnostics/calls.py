@@ -22,6 +22,7 @@ import mindspore as ms
 from mindspore import nn
 
 from ms_gradaccum._microbatch import check_tensor_inputs
+from ms_gradaccum._mindspore.graph import in_function_gradient
 from ms_gradaccum._mindspore.patches import GRAPH_COMPILE
 from ms_gradaccum._mindspore.surroundings import child
 
@@ -76,7 +77,7 @@ def probe_first_call(owner: nn.Cell, inputs: tuple) -> None:
     layout; a kind it finds is the one `owner` trains with."""
     engine = _engine(owner)
     check_tensor_inputs(engine.owner_name, inputs)
-    kind = engine.contract.first_call(engine, inputs)
+    kind = engine.contract.first_call(engine, inputs, refusable=not in_function_gradient(owner))
     if kind is not None:
         owner.use_kind(kind)
 

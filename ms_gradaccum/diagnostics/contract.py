@@ -113,28 +113,36 @@ def pair_rows(batch: int, micro_size: int) -> int:
     return sizes[0] + sizes[1] if len(sizes) == 2 else 0
 
 
-class WeightedGradients(nn.Cell):
-    """The gradient of a pass's tallied value (what a micro-batch adds to its batch's sum as the kind tallies it: the
-    loss times the kind's weight for its rows) with respect to the network's inputs at `positions`, eagerly; the
-    weight is differentiated too, where it depends on an input (a kind weighing by an input)."""
+class TalliedValue(nn.Cell):
+    """What a pass adds to its batch's sum as the kind tallies it (the loss times the kind's weight for its rows), the
+    weight differentiable where it depends on an input (a kind weighing by an input)."""
 
-    def __init__(self, scaled_loss: nn.Cell, positions: tuple, rows: int):
+    def __init__(self, scaled_loss: nn.Cell, rows: int):
         super().__init__(auto_prefix=False)
         # A child (no prefix: no name changes), so that the eager pass puts back what the network's cells set
         # (diagnostics.eager.run_eagerly reads the cells of the cell it runs).
         self.scaled_loss = scaled_loss
-        object.__setattr__(self, "_positions", tuple(positions))
         object.__setattr__(self, "_rows", rows)
 
-    def weighted(self, *args):
+    def construct(self, *args):
         loss, count, _ = self.scaled_loss.loss_and_count(args, self._rows)
         return self.scaled_loss.kind.tally(loss, count, self._rows, ONE, args)[1]
 
+
+class WeightedGradients(nn.Cell):
+    """The gradient of a pass's :class:`TalliedValue` with respect to the network's inputs at `positions`, eagerly."""
+
+    def __init__(self, scaled_loss: nn.Cell, positions: tuple, rows: int):
+        super().__init__(auto_prefix=False)
+        self.tallied = TalliedValue(scaled_loss, rows)
+        object.__setattr__(self, "_positions", tuple(positions))
+
     def construct(self, *args):
         # Made here, in PyNative mode with recording on: ms.grad reads the mode when it is made, and made in graph mode
-        # it compiles a graph on every call.
+        # it compiles a graph on every call. Of a Cell, not a function: inside a gradient the user's function records
+        # (ms.value_and_grad of a Python function), a nested gradient of a function loses the outer one's top cell.
         with gradients_recorded():
-            gradients = ms.grad(self.weighted, grad_position=self._positions)(*args)
+            gradients = ms.grad(self.tallied, grad_position=self._positions)(*args)
         return gradients if isinstance(gradients, tuple) else (gradients,)
 
 
@@ -147,7 +155,7 @@ class WeightGradients(WeightedGradients):
 
     def construct(self, *args):
         with gradients_recorded():
-            gradients = ms.grad(self.weighted, grad_position=None, weights=self._weights)(*args)
+            gradients = ms.grad(self.tallied, grad_position=None, weights=self._weights)(*args)
         return tuple(gradients)
 
 
@@ -218,6 +226,7 @@ class ContractCheck(PrecisionNeutral):
         self.failed = False
         self.findings = None
         self._held = None   # the probe's HeldDraws while it runs
+        self._refusable = True   # whether the probe may try labels the network refuses (first_call)
 
     @compile_time
     def half(self) -> bool:
@@ -247,16 +256,19 @@ class ContractCheck(PrecisionNeutral):
 
     # --- the first call ---------------------------------------------------------------------------------------------
 
-    def first_call(self, engine: nn.Cell, inputs: tuple):
+    def first_call(self, engine: nn.Cell, inputs: tuple, refusable: bool = True):
         """Before the first step's graph compiles or runs on `inputs` (the owner's; the batch): the probe, where the
         check is on, unless it ran on inputs of the same layout. Returns the kind the probe found (an
         ``IgnoredLabelMean``) where it differs from the cell's, else None; raises :class:`LossContractError` where the
-        loss does not combine."""
+        loss does not combine. `refusable`: the probe may try labels the network refuses (not inside a gradient of a
+        Python function in PyNative mode, whose record an error would lose: ``_mindspore.graph.in_function_gradient``;
+        there the -100 labels are not tried)."""
         if not self.enabled or self.failed:
             return None
         layout = tuple((x.dtype, x.ndim) if isinstance(x, Tensor) else type(x) for x in inputs)
         if self.probed and layout == self.layout:
             return None
+        self._refusable = refusable
         try:
             findings = self.probe(engine, inputs)
         except LossContractError as error:
@@ -265,6 +277,8 @@ class ContractCheck(PrecisionNeutral):
         except Exception as error:  # pylint: disable=broad-except
             self._on_error(error, engine, inputs)
             return None
+        finally:
+            self._refusable = True
         if findings is None:
             return None
         self.probed, self.layout, self.findings = True, layout, findings
@@ -364,7 +378,7 @@ class ContractCheck(PrecisionNeutral):
                 changes.append((index, "moved"))
             if isinstance(x, Tensor) and x[:1].size > 0:
                 changes.append((index, 0))
-            if _is_integer(x):
+            if _is_integer(x) and self._refusable:
                 changes.append((index, sentinel))
 
         def changed(index, what):
@@ -383,6 +397,8 @@ class ContractCheck(PrecisionNeutral):
 
         def gradients(kind, inputs):
             """B's gradient on `inputs` with the cell's loss taken as `kind`; None where the network refuses them."""
+            if not self._runs(inputs, rows_a + rows_b):
+                return None
             kept = self._scaled_loss.kind
             self._scaled_loss.kind = kind
             try:
@@ -435,6 +451,16 @@ class ContractCheck(PrecisionNeutral):
                                                            public))
         return True, positions, kind, ignore
 
+    def _runs(self, inputs: tuple, rows: int) -> bool:
+        """Whether the network runs on `inputs` (`rows` of them), forward only: a pass that raises inside a gradient
+        would leave PyNative's record of a gradient the caller takes around the cell without its top (a functional
+        ``ms.value_and_grad`` loop), so a changed input the network refuses is found before any gradient is taken."""
+        try:
+            run_eagerly(TalliedValue(self._scaled_loss, rows), [inputs])
+        except Exception:  # pylint: disable=broad-except
+            return False
+        return True
+
     def _additive(self, batch: BatchRows, sizes: list, index: Optional[int], value, kind) -> Optional[tuple]:
         """``(holds, gap)``: whether the gradient of the tallied value (`kind`'s) with respect to the network's last
         two trainable weights on B and A together (the first halves of micro-batches 0 and 1) is the sum of theirs on
@@ -451,6 +477,8 @@ class ContractCheck(PrecisionNeutral):
                 return None
             part_a = part_a[:index] + [changed] + part_a[index + 1:]
         together = [np.concatenate([b, a]) for b, a in zip(part_b, part_a)]
+        if index is not None and not self._runs(batch.inputs_of(together), rows_a + rows_b):
+            return None   # the network refuses that value there: it says nothing about the loss
         kept = self._scaled_loss.kind
         self._scaled_loss.kind = kind
         try:
@@ -489,7 +517,7 @@ class ContractCheck(PrecisionNeutral):
             return kind, ignore
         sentinel = self._sentinel()
         for index, x in enumerate(batch.split):
-            if not _is_integer(x):
+            if not _is_integer(x) or not self._refusable:
                 continue
             found = self._additive(batch, sizes, index, sentinel, kind)
             if found is None or found[0]:
