@@ -195,7 +195,7 @@ def test_validation_batch_norm_is_warned_once_with_names_and_fix():
 def test_validation_no_warning_without_batch_norm_or_when_silenced():
     # Dropout is not warned about (its masks under accumulation differ, equal in distribution), as the docstring says;
     # BatchNorm is (the control, below).
-    assert "dropout draws other masks, equal in distribution, and is not" in " ".join(
+    assert "random draws (dropout, noise) differ, equal in distribution, and are not" in " ".join(
         GradAccumulationCell.__doc__.split())
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -513,8 +513,8 @@ class ContractCheck(PrecisionNeutral):
         that is the kind from now on, unless another was declared) and with A's inputs set to 0. Raises where it does
         not; losses alike at initialisation do not hide it, their gradients differ."""
         kind, ignore, broken = self.kind, None, []
-        if self._additive(batch, sizes, None, None, kind) is None:
-            return kind, ignore
+        if kind.counts_in_network or self._additive(batch, sizes, None, None, kind) is None:
+            return kind, ignore   # a recognised loss is counted: exact by construction
         sentinel = self._sentinel()
         for index, x in enumerate(batch.split):
             if not _is_integer(x) or not self._refusable:
