@@ -43,7 +43,7 @@ from ms_gradaccum._mindspore.graph import compile_time, eager_mode, gradients_re
 from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.randomness import HeldDraws
 from ms_gradaccum._mindspore.surroundings import parallel_mode
-from ms_gradaccum.diagnostics.eager import BatchRows, run_eagerly, runs_on, training_off
+from ms_gradaccum.diagnostics.eager import BatchRows, own_gradients_off, run_eagerly, runs_on, training_off
 from ms_gradaccum._microbatch import SPLIT, assemble, micro_batch_rows
 from ms_gradaccum._validation import batch_norm_cells, computes_in_float16, readable
 
@@ -304,7 +304,8 @@ class ContractCheck(PrecisionNeutral):
         network = self._network
         starts = np.cumsum([0] + sizes[:-1]).tolist()
         compared = (float("nan"), float("nan"), 0, None)
-        with training_off(batch_norm_cells(network, cells=True)), HeldDraws(network) as held:
+        with training_off(batch_norm_cells(network, cells=True)), own_gradients_off(network), \
+                HeldDraws(network) as held:
             self._held = held
             try:
                 # Twice on micro-batch 0, its draws held for the first pass only: a network that draws random values
