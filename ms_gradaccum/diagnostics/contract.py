@@ -322,17 +322,11 @@ class ContractCheck(PrecisionNeutral):
         return Findings(kind, separable, probed, ignore, random, compared[2], batch.batch, compared[0], compared[1],
                         compared[3])
 
-    def _values(self, batch: BatchRows, parts: list, kind=None, change=None, changed=(), before_each=None) -> list:
+    def _values(self, batch: BatchRows, parts: list, kind=None, before_each=None) -> list:
         """``[(value, count), ...]``: the kind's tally (`kind`, else the cell's) of the network's loss on each part
-        (``[(start, stop), ...]`` of the batch's rows); `change(arrays)`, if given, changes the split inputs of the
-        parts numbered in `changed` first. Random draws are held the same before each pass (`before_each` instead,
-        if given)."""
-        calls = []
-        for number, spans in enumerate(parts):
-            arrays = batch.arrays(spans)
-            if change is not None and number in changed:
-                arrays = change(arrays)
-            calls.append((batch.inputs_of(arrays), ONE, sum(stop - start for start, stop in spans), ONE))
+        (``[(start, stop), ...]`` of the batch's rows). Random draws are held the same before each pass (`before_each`
+        instead, if given)."""
+        calls = [(batch.spans(spans), ONE, sum(stop - start for start, stop in spans), ONE) for spans in parts]
         kept = self._scaled_loss.kind
         self._scaled_loss.kind = kind if kind is not None else self.kind
         if before_each is None and self._held is not None:

@@ -14,33 +14,30 @@ from ms_gradaccum._validation import is_batch_statistic
 
 
 @contextlib.contextmanager
+def _switched_off(cells: list, flag: str, set_flag: str):
+    """Each of `cells` with its boolean `flag` set False through its method `set_flag` for the duration, put back."""
+    kept = [(cell, getattr(cell, flag)) for cell in cells]
+    try:
+        for cell, _ in kept:
+            getattr(cell, set_flag)(False)
+        yield
+    finally:
+        for cell, value in kept:
+            getattr(cell, set_flag)(value)
+
+
 def training_off(cells: list):
     """`cells` in eval mode (``set_train(False)``) for the duration, each put back as it was: batch normalisation then
     normalises with its moving statistics, row by row, as the probe's passes need."""
-    kept = [(cell, cell.training) for cell in cells]
-    try:
-        for cell, _ in kept:
-            cell.set_train(False)
-        yield
-    finally:
-        for cell, training in kept:
-            cell.set_train(training)
+    return _switched_off(cells, "training", "set_train")
 
 
-@contextlib.contextmanager
 def own_gradients_off(network: nn.Cell):
     """The cells of `network` not gradient cells of their own (``set_grad(False)``) for the duration, each put back:
     a train cell marks its network so (``nn.TrainOneStepCell``, ``AccumulatingTrainOneStepCell``), and PyNative mode
     then records that network's calls as a gradient of their own inside the probe's, whose weights' gradients come out
     wrong (measured: an LM's row mean did not add up over two rows)."""
-    kept = [(cell, cell.requires_grad) for _, cell in network.cells_and_names()]
-    try:
-        for cell, _ in kept:
-            cell.set_grad(False)
-        yield
-    finally:
-        for cell, requires_grad in kept:
-            cell.set_grad(requires_grad)
+    return _switched_off([cell for _, cell in network.cells_and_names()], "requires_grad", "set_grad")
 
 
 @contextlib.contextmanager
