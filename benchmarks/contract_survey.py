@@ -24,7 +24,7 @@ K = 4
 
 
 def where(cell) -> str:
-    contract = cell.engine.contract
+    contract = cell.contract
     graph = int(contract.graph_runs.asnumpy())
     if contract.probed:
         return "eager probe" + (" (and graph)" if graph else "")

@@ -53,7 +53,7 @@ def measure(model: str, batch: int, micro_size: int, steps: int, repeats: int) -
     probe = []
     for _ in range(repeats):
         start = time.perf_counter()
-        cell.engine.contract.probe(cell.engine, (x, y))
+        cell.contract.probe(cell.engine, (x, y))
         probe.append(time.perf_counter() - start)
     times = []
     for _ in range(steps + 1):

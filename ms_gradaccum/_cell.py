@@ -8,7 +8,8 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall, expect_first_compile
-from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
+from ms_gradaccum.diagnostics.contract import ContractCheck
+from ms_gradaccum._engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, compiling_graph, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
 from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, FoundOnce, Surroundings,
@@ -198,6 +199,7 @@ class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, Spec
             self.gradient_buffers.for_weights(list(weights) if weights is not None else network.trainable_params())
         self.engine = MicroBatchGradients(network, spec, overwrite=True, targets=self._targets, cls_name=_NAME,
                                           loss_scale=scale)
+        self.contract = ContractCheck.of(self.engine, network, spec, _NAME)
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
         self.compile_checks = CompileChecks(self)
@@ -325,7 +327,10 @@ class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, Spec
         if self.parallel_pass:
             return self.parallel_pass_part(*inputs)
         scale, (split, shared, constants, layout), unit = self.batch_prologue(inputs)
-        value, count, loss_like = self.engine(split, shared, constants, layout, scale, unit, self.targets_key)
+        result = self.engine(split, shared, constants, layout, scale, unit, self.targets_key)
+        value = self.contract(split, (shared, constants, layout), field(result, "first_two_value"),
+                              field(result, "first_two_count"), unit, field(result, "value"))
+        count = field(result, "count")
         factor = 1.0
         if self.data_parallel:
             value, count, factor = self.token_totals(value, count)
@@ -338,7 +343,7 @@ class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, Spec
         zeros = self.hyper_map(ops.partial(_hand_over, self.gradient_of, divisor), self.engine.weights,
                                self.engine.buffers)
         loss = loss + ops.stack(zeros).sum()
-        return ops.reshape(loss, loss_like.shape)   # the network's loss shape: () or (1,)
+        return ops.reshape(loss, field(result, "loss_like").shape)   # the network's loss shape: () or (1,)
 
 
 _hand_over = ops.MultitypeFuncGraph("_hand_over")

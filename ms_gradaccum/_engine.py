@@ -1,13 +1,12 @@
 """The micro-batch engine both cells own: forward and backward once per micro-batch, in turn, gradients added in place.
 
-Contract: ``engine(inputs, shared, constants, layout, scale, count_unit, key) -> (value, count, loss_like)``. `inputs`
+Contract: ``engine(inputs, shared, constants, layout, scale, count_unit, key) -> ACCUMULATED``. `inputs`
 is split along axis 0 into ``micro_size`` micro-batches (`shared` and `constants` passed whole, in their places per
 `layout`); each runs forward and backward once on its loss times ``scale * weight`` (the kind's tally; `count_unit`:
 the rows of the largest micro-batch), adding its gradients into the buffers of the owner's weights (:meth:`targets`)
 as the backward produces them. One loop body, so the graph holds one copy of the network per micro-batch shape (two
-for an uneven split). ``value`` and ``count`` are the float32 sums the owner normalises with the kind; ``loss_like``
-has the network's loss shape (``()`` or ``(1,)``); `key` names the trained weights, so that PyNative mode compiles
-again when they change.
+for an uneven split). :data:`ACCUMULATED` says what comes back; `key` names the trained weights, so that PyNative
+mode compiles again when they change. The engine knows nothing of the diagnostics (``diagnostics/`` imports it).
 """
 from typing import Callable
 
@@ -22,7 +21,6 @@ from ms_gradaccum._base import PrecisionNeutral
 from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._tokens import TokenCounter, counting_view
 from ms_gradaccum._validation import readable, warn_batch_norm
-from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum._microbatch import (assemble, check_loss_dtype, check_loss_output, input_shapes, input_names,
                                       micro_batch, partition, plan_inputs, split_batch)
 
@@ -42,9 +40,10 @@ class TupleInputs(PrecisionNeutral):
 class CompileRecord:
     """What one engine's compile found and reads again, kept on its own engine (no module state): the shape of the
     network's loss, written while the loop body compiles and read after the loop (a value carried out of a graph-mode
-    while loop gets a dynamic shape, so nothing outside the body sees it otherwise); and the inputs' layout, for the
-    context of an error the network raises on a micro-batch where the compiled cell's inputs are not the engine's
-    owner's (diagnostics.failures)."""
+    while loop gets a dynamic shape, so nothing outside the body sees it otherwise); and the inputs' layout, written
+    when a graph holding the engine compiles (diagnostics.calls clears it before a compile it watches, to tell whether
+    that compile built the engine; diagnostics.failures reads it for the context of an error the network raises on a
+    micro-batch)."""
 
     def __init__(self):
         self.loss_shape = None
@@ -136,18 +135,37 @@ class ScaledLoss(PrecisionNeutral):
         return scalar * factor, ops.stop_gradient(value), ops.stop_gradient(count), ops.stop_gradient(calls)
 
 
-def _unpack(packed):
-    """The tallies of the loop's packed vector (:data:`TALLIES`): one Unstack, not an indexing each, each compiled
-    through MindSpore's indexing functions (docs/measurements.md)."""
-    return ops.unstack(packed)
+# What the engine returns for a batch, one tuple of float32 Tensors in this order, written here only and read by name
+# (`field`): the sum of the micro-batches' tallied values (the kind's) and of their counts; zeros of the network's
+# loss shape (``()`` or ``(1,)``); the value and count of micro-batches 0 and 1 (the loss contract's in-graph
+# comparison). A tuple, not a NamedTuple: MindSpore 2.10 refuses a named tuple that crosses a jit graph's boundary.
+ACCUMULATED = ("value", "count", "loss_like", "first_two_value", "first_two_count")
 
-
-# What the loop carries per batch, in this order, as one float32 vector: the sums of value and count, the smallest
-# count and whether every count was finite (kinds that check counts), the sums after the first two micro-batches (the
-# loss contract's in-graph check), the first micro-batch with a non-finite loss or count (-1: none) with its first and
+# What the loop carries per micro-batch, as one float32 vector (one Unstack per step, not an indexing each, each
+# compiled through MindSpore's indexing functions: docs/measurements.md), in this order, written here only: the sums of
+# value and count, the smallest count and whether every count was finite (kinds that check counts), the sums after
+# the first two micro-batches, the first micro-batch with a non-finite loss or count (-1: none) with its first and
 # last row, whether any micro-batch was finite, and the most calls of the recognised loss cells in one forward pass.
-TALLIES = ("value", "count", "smallest", "finite", "pair_value", "pair_count", "bad", "bad_first_row", "bad_last_row",
-           "any_finite", "calls")
+_TOTALS = ("value", "count", "smallest", "finite", "first_two_value", "first_two_count", "bad", "bad_first_row",
+           "bad_last_row", "any_finite", "calls")
+
+
+def field(values: tuple, name: str, order: tuple = ACCUMULATED):
+    """The field `name` of `values`, a tuple in `order` (in the graph too)."""
+    return values[order.index(name)]
+
+
+def _ordered(order: tuple, **values) -> tuple:
+    """`values`, given by name, as a tuple in `order`."""
+    return tuple(values[name] for name in order)
+
+
+def _at(name: str) -> int:
+    return _TOTALS.index(name)
+
+
+def _totals(**fields) -> tuple:
+    return _ordered(_TOTALS, **fields)
 
 
 class MicroBatchGradients(PrecisionNeutral):
@@ -173,8 +191,6 @@ class MicroBatchGradients(PrecisionNeutral):
         super().__init__(auto_prefix=False)
         micro_size = spec.micro_size
         self.scaled_loss = ScaledLoss(network, spec.kind, cls_name)
-        self.contract = ContractCheck(self.scaled_loss, network, micro_size, spec.kind,
-                                      spec.check_loss and micro_size > 1, cls_name, spec.declared)
         self.micro_size = micro_size
         self.shared_inputs = spec.shared_inputs
         self.input_names = input_names(network)
@@ -186,12 +202,10 @@ class MicroBatchGradients(PrecisionNeutral):
         self.owner_name = cls_name
         object.__setattr__(self, "_targets", targets)   # a bound method of the owner, not a child cell
         object.__setattr__(self, "_loss_scale", loss_scale)   # the owner's child, read here
-        object.__setattr__(self, "graph_built", False)   # set by a compile that builds its graph (diagnostics.calls)
 
     def use_kind(self, kind) -> None:
         """Trains with `kind` from the next compile on (the kind the first call's probe found: diagnostics.contract)."""
         self.scaled_loss.kind = kind
-        self.contract.kind = kind
         self.kind_setting = kind.setting
 
     @compile_time
@@ -218,9 +232,7 @@ class MicroBatchGradients(PrecisionNeutral):
 
     @compile_time
     def buffers(self):
-        """Their ``accu_grads`` buffers, last first; reading them marks the engine's graph built by the compile under
-        way (diagnostics.calls)."""
-        object.__setattr__(self, "graph_built", True)
+        """Their ``accu_grads`` buffers, last first."""
         return ParameterTuple(self._targets()[1][::-1])
 
     @compile_time
@@ -239,23 +251,26 @@ class MicroBatchGradients(PrecisionNeutral):
         return assemble(micro_batch(split, i), shared, constants, layout)
 
     def _tally(self, out, totals, index, first_row, rows):
-        """Adds one micro-batch's value and count (of micro-batch `index`, rows `first_row` on), tracks the smallest and
-        any non-finite count (where the kind checks them), keeps the first two micro-batches' tallies (for the loss
-        contract's check), the first micro-batch whose loss or count is not finite, and the recognised cells' calls.
-        All float32: a bool carried by the loop compiles slower (docs/measurements.md)."""
-        value, count, smallest, finite, pair_value, pair_count, bad, bad_first, bad_last, any_finite, calls = totals
-        value, count = value + out[1], count + out[2]
+        """The loop's `totals` (see ``_TOTALS``) after micro-batch `index` (rows `first_row` on), whose ScaledLoss
+        output is `out`. All float32: a bool carried by the loop compiles slower (docs/measurements.md)."""
+        value, count = totals[_at("value")] + out[1], totals[_at("count")] + out[2]
+        smallest, finite = totals[_at("smallest")], totals[_at("finite")]
         if self.checks_counts:
             smallest = ops.minimum(smallest, out[2])
             finite = ops.minimum(finite, ops.cast(ops.isfinite(out[2]), mstype.float32))
         second = index == 1
         ok = ops.logical_and(ops.isfinite(out[1]), ops.isfinite(out[2]))
+        bad = totals[_at("bad")]
         first_bad = ops.logical_and(ops.logical_not(ok), bad < 0)
         row = ops.cast(first_row, mstype.float32)
-        return (value, count, smallest, finite, ops.select(second, value, pair_value),
-                ops.select(second, count, pair_count), ops.select(first_bad, ops.cast(index, mstype.float32), bad),
-                ops.select(first_bad, row, bad_first), ops.select(first_bad, row + (rows - 1), bad_last),
-                ops.maximum(any_finite, ops.cast(ok, mstype.float32)), ops.maximum(calls, out[3]))
+        return _totals(value=value, count=count, smallest=smallest, finite=finite,
+                       first_two_value=ops.select(second, value, totals[_at("first_two_value")]),
+                       first_two_count=ops.select(second, count, totals[_at("first_two_count")]),
+                       bad=ops.select(first_bad, ops.cast(index, mstype.float32), bad),
+                       bad_first_row=ops.select(first_bad, row, totals[_at("bad_first_row")]),
+                       bad_last_row=ops.select(first_bad, row + (rows - 1), totals[_at("bad_last_row")]),
+                       any_finite=ops.maximum(totals[_at("any_finite")], ops.cast(ok, mstype.float32)),
+                       calls=ops.maximum(totals[_at("calls")], out[3]))
 
     def _accumulate(self, split, others, stop, totals, scale, rows, count_unit, offset, row_offset):
         # A while loop over a Tensor counter compiles once and runs the micro-batches strictly in turn (each one's
@@ -264,11 +279,11 @@ class MicroBatchGradients(PrecisionNeutral):
         packed = ops.stack(totals)
         while i < stop:
             out, grads = self._value_and_grads(self._micro_inputs(split, i, others), scale, rows, count_unit)
-            totals = self._tally(out, _unpack(packed), i + offset, i * rows + row_offset, rows)
-            value = add_gradients(self.buffers, grads, totals[0], self.adds_with_cast)
-            packed = ops.stack((value,) + totals[1:])
+            totals = self._tally(out, ops.unstack(packed), i + offset, i * rows + row_offset, rows)
+            value = add_gradients(self.buffers, grads, totals[_at("value")], self.adds_with_cast)
+            packed = ops.stack((value,) + totals[1:])   # "value" first: made to depend on the buffers' additions
             i = i + 1
-        return _unpack(packed)
+        return ops.unstack(packed)
 
     def _check_counts(self, smallest, finite):
         if finite < 1:
@@ -315,8 +330,9 @@ class MicroBatchGradients(PrecisionNeutral):
         others = (shared, constants, layout)
         zero = Tensor(0.0, mstype.float32)
         none = Tensor(-1.0, mstype.float32)
-        totals = (zero, zero, Tensor(float("inf"), mstype.float32), Tensor(1.0, mstype.float32), zero, zero, none,
-                  none, none, zero, zero)
+        totals = _totals(value=zero, count=zero, smallest=Tensor(float("inf"), mstype.float32),
+                         finite=Tensor(1.0, mstype.float32), first_two_value=zero, first_two_count=zero, bad=none,
+                         bad_first_row=none, bad_last_row=none, any_finite=zero, calls=zero)
         if self.overwrite:
             # A fresh sum per batch: the buffers are cleared once, before the loop, so that every micro-batch goes
             # through the same loop body (one copy of the network in the graph) and adds its gradient.
@@ -327,17 +343,18 @@ class MicroBatchGradients(PrecisionNeutral):
             totals = self._accumulate(split, others, count, totals, scale, rows, count_unit, offset, row_offset)
             offset += count
             row_offset += count * rows
-        value, count_total, smallest, finite, pair_value, pair_count, bad, bad_first, bad_last, any_finite, calls = \
-            totals
+        value = totals[_at("value")]
         if self.checks_counts:
-            value = ops.depend(value, self._check_counts(smallest, finite))
+            value = ops.depend(value, self._check_counts(totals[_at("smallest")], totals[_at("finite")]))
         if self.counts_in_network:
-            value = ops.depend(value, self._check_calls(calls))
+            value = ops.depend(value, self._check_calls(totals[_at("calls")]))
         if not self.skips_non_finite:
-            value = ops.depend(value, self._check_finite(bad, bad_first, bad_last, any_finite, row_offset))
-        value = self.contract(inputs, others, pair_value, pair_count, count_unit, value)
+            value = ops.depend(value, self._check_finite(totals[_at("bad")], totals[_at("bad_first_row")],
+                                                         totals[_at("bad_last_row")], totals[_at("any_finite")],
+                                                         row_offset))
         loss_like = ops.zeros(recorded_loss_shape(self.scaled_loss.record, value.shape), mstype.float32)
-        return value, count_total, loss_like
+        return _ordered(ACCUMULATED, value=value, count=totals[_at("count")], loss_like=loss_like,
+                        first_two_value=totals[_at("first_two_value")], first_two_count=totals[_at("first_two_count")])
 
     def bprop(self, inputs, shared, constants, layout, scale, count_unit, key, out, dout):
         zeros, shared_zeros = (), ()

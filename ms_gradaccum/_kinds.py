@@ -258,6 +258,7 @@ class SpecFields:
         set before the first graph compiles."""
         self.spec = self.spec.with_kind(kind)
         self.engine.use_kind(kind)
+        self.contract.kind = kind
 
     @compile_time
     def micro_size(self) -> int:

@@ -11,7 +11,8 @@ from ms_gradaccum import _buffers
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._cell import DataParallelParts, GradAccumulationCell, data_parallel_module
 from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall, expect_first_compile
-from ms_gradaccum._engine import MicroBatchGradients, warn_where_inexact
+from ms_gradaccum._engine import MicroBatchGradients, field, warn_where_inexact
+from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, FoundOnce, parallel_mode
 from ms_gradaccum._kinds import LossKind, LossSpec, RowMean, SpecFields, declares_kind
@@ -131,6 +132,7 @@ class AccumulatingTrainOneStepCell(ProbedOnFirstCall, FoundOnce, DataParallelPar
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
         self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, targets=self._targets, cls_name=_NAME,
                                           loss_scale=scale)
+        self.contract = ContractCheck.of(self.engine, loss_network, spec, _NAME)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).
         # AdaSum optimizers keep MindSpore's reducer (their own group and degree).
         self.reduce_in_place = self.reducer_flag and isinstance(self.grad_reducer, nn.DistributedGradReducer) and \
@@ -224,7 +226,10 @@ class AccumulatingTrainOneStepCell(ProbedOnFirstCall, FoundOnce, DataParallelPar
         run_compile_checks(self.compile_checks)
         scale, (split, shared, constants, layout), unit = self.batch_prologue(inputs)
         unit = self.window.unit(unit)   # the window's: its first batch's
-        value, count, loss_like = self.engine(split, shared, constants, layout, scale, unit, "")
+        result = self.engine(split, shared, constants, layout, scale, unit, "")
+        value = self.contract(split, (shared, constants, layout), field(result, "first_two_value"),
+                              field(result, "first_two_count"), unit, field(result, "value"))
+        count, loss_like = field(result, "count"), field(result, "loss_like")
         # What is returned per call: the batch's loss, normalised as its kind says.
         rows = Tensor(split[0].shape[0], mstype.float32)
         batch_loss = self.kind.normalise(scale, value, count, 1.0, rows, unit)[0]

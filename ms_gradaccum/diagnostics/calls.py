@@ -72,12 +72,17 @@ def _engine(owner) -> nn.Cell:
     return child(owner, "engine")
 
 
+def _built(owner) -> bool:
+    """Whether `owner`'s engine was laid out by the compile under way (its record was cleared before it)."""
+    return _engine(owner).scaled_loss.record.layout is not None
+
+
 def probe_first_call(owner: nn.Cell, inputs: tuple) -> None:
     """The loss contract's probe on `owner`'s `inputs` (diagnostics.contract), where it has not run on inputs of that
     layout; a kind it finds is the one `owner` trains with."""
     engine = _engine(owner)
     check_tensor_inputs(engine.owner_name, inputs)
-    kind = engine.contract.first_call(engine, inputs, refusable=not in_function_gradient(owner))
+    kind = child(owner, "contract").first_call(engine, inputs, refusable=not in_function_gradient(owner))
     if kind is not None:
         owner.use_kind(kind)
 
@@ -95,12 +100,12 @@ def around_first_compile(cell: nn.Cell, args: tuple):
     owner = inner_cell(cell)
     reached = any(owner is other for other in waiting)
     for other in waiting:
-        object.__setattr__(_engine(other), "graph_built", False)
+        _engine(other).scaled_loss.record.layout = None
     if reached:
         probe_first_call(owner, args)
     yield
-    for other in waiting:   # compiled: its graph is built (engine.buffers, read while it compiles, says so)
-        if _engine(other).graph_built:
+    for other in waiting:   # compiled: its engine is laid out (the record says so)
+        if _built(other):
             _WAITING.discard(other)
     _release_if_none_waits()
 
@@ -108,7 +113,7 @@ def around_first_compile(cell: nn.Cell, args: tuple):
 def first_compile_context(error: Exception, args: tuple):
     """What to add to an `error` of a compile of ``args[0]`` on ``args[1:]`` that built a waiting package cell's graph
     (a GRAPH_COMPILE decorator): diagnostics.failures."""
-    built = [_engine(owner) for owner in _waiting() if _engine(owner).graph_built]
+    built = [owner for owner in _waiting() if _built(owner)]
     if not built or not args:
         return None
     from ms_gradaccum.diagnostics import failures   # pylint: disable=import-outside-toplevel

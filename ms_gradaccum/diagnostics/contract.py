@@ -228,6 +228,12 @@ class ContractCheck(PrecisionNeutral):
         self._held = None   # the probe's HeldDraws while it runs
         self._refusable = True   # whether the probe may try labels the network refuses (first_call)
 
+    @classmethod
+    def of(cls, engine: nn.Cell, network: nn.Cell, spec, cls_name: str) -> "ContractCheck":
+        """The check of a package cell's `engine` (on `network`, the user's loss network) as its `spec` says."""
+        return cls(engine.scaled_loss, network, spec.micro_size, spec.kind, spec.check_loss and spec.micro_size > 1,
+                   cls_name, spec.declared)
+
     @compile_time
     def half(self) -> bool:
         """Whether the network computes in float16, as it is now (``Model``'s ``amp_level`` sets it after the cell is
@@ -737,7 +743,7 @@ class ContractCheck(PrecisionNeutral):
         if split_only:
             # A graph built from it would fail the same way, at compile or only at run time, without the context.
             from ms_gradaccum.diagnostics.failures import failure_context   # pylint: disable=import-outside-toplevel
-            with_context(error, failure_context(self.owner_name, self.micro_size, engine, inputs, 0))
+            with_context(error, failure_context(self.owner_name, self.micro_size, engine, inputs, 0, self))
             raise error
         # Not the contract: a network that runs only in graph mode, or an error the graph's compile reports with its
         # own message. The graph compares values itself (and raises what it has to).

@@ -1,13 +1,13 @@
 """Errors the network raises on a micro-batch say so.
 
 A network built for a fixed batch size fails inside the micro-batch graph with MindSpore's own message. When a compile
-fails, the micro-batches' rows, micro_size and the fix are added where (1) the failed compile built an engine's graph
-(diagnostics.calls: its ``graph_built``, cleared at every compile) and (2) the network, run eagerly on the first
-micro-batch (eager.run_eagerly), fails too (on the first two only: the contract check's pass failed), while (3) it runs
-on the whole batch (an error the plain step raises as well keeps MindSpore's message alone); where the inputs cannot be
-reached, the engine's call of the network must appear in MindSpore's traceback (the layout is then the one the
-engine's compile recorded, ``_engine.CompileRecord``). Anything else, and errors at run time, pass through unchanged.
-Imported only when a compile fails, or the eager pass fails on micro-batch rows.
+fails, the micro-batches' rows, micro_size and the fix are added where (1) the failed compile laid out an engine
+(diagnostics.calls: its ``CompileRecord.layout``, cleared before every compile it watches) and (2) the network, run
+eagerly on the first micro-batch (eager.run_eagerly), fails too (on the first two only: the contract check's pass
+failed), while (3) it runs on the whole batch (an error the plain step raises as well keeps MindSpore's message alone);
+where the inputs cannot be reached, the engine's call of the network must appear in MindSpore's traceback (the layout is
+then the one the engine's compile recorded, ``_engine.CompileRecord``). Anything else, and errors at run time, pass
+through unchanged. Imported only when a compile fails, or the eager pass fails on micro-batch rows.
 """
 from typing import Optional, Tuple
 
@@ -33,11 +33,11 @@ def _split(micro_size: int, engine: nn.Cell, inputs: Optional[tuple]) -> Tuple[l
 
 
 def failure_context(cls_name: str, micro_size: int, engine: nn.Cell, inputs: Optional[tuple] = None,
-                    check_rows: int = 0) -> str:
+                    check_rows: int = 0, contract: Optional[nn.Cell] = None) -> str:
     """What an error the network raised on a micro-batch (or on the loss contract's check of `check_rows` rows, the
     first two micro-batches together) is about: the micro-batches' rows, and the fixes. Where `engine` and the owner's
-    `inputs` are given, an input that makes the loss combine when given whole is named (the shared-input advice is
-    tried, not guessed)."""
+    `inputs` are given, an input that makes the loss combine when given whole is named by the loss `contract`'s probe
+    (the shared-input advice is tried, not guessed)."""
     split, names, batch, rows = _split(micro_size, engine, inputs)
     row_text = " and ".join(str(r) for r in rows)
     shown = ", ".join(f"input {i}{f' ({names[i]!r})' if i < len(names) else ''} {tuple(shape)} -> "
@@ -45,8 +45,8 @@ def failure_context(cls_name: str, micro_size: int, engine: nn.Cell, inputs: Opt
     part = (f"the first two micro-batches together ({check_rows} rows, the loss contract's check)" if check_rows
             else "a micro-batch")
     hint = ""
-    if inputs is not None:
-        hint = engine.contract.shared_input_hint(engine, inputs)
+    if inputs is not None and contract is not None:
+        hint = contract.shared_input_hint(engine, inputs)
     return (f"For '{cls_name}', the error above was raised by the network running on {part}, not on the whole "
             f"batch: micro_size={micro_size} splits the batch of {batch} rows into micro-batches of "
             f"{row_text} rows ({shown}). A cell built for a fixed batch size (e.g. a CTC loss or a reshape configured "
@@ -75,24 +75,22 @@ def _network_call_in(message: str, engine: nn.Cell) -> bool:
     return traceback_runs_through(message, type(engine.scaled_loss.loss_of_inputs).construct)
 
 
-def micro_batch_context(error: Exception, owner: Optional[nn.Cell], inputs: tuple,
-                        engine: Optional[nn.Cell]) -> Optional[str]:
-    """What to add to `error`, raised by a compile after `engine` (if any) marked it; None when it is not the network's
-    on a micro-batch (it fails on the whole batch too, as the plain step would). `owner` is the cell whose inputs are
-    the compiled cell's `inputs` (_contract.inner_cell)."""
-    if engine is None:
-        return None
-    if getattr(owner, "engine", None) is engine:   # the package cell, or a pass-through train cell around it
+def micro_batch_context(error: Exception, owner: Optional[nn.Cell], inputs: tuple, built: nn.Cell) -> Optional[str]:
+    """What to add to `error`, raised by a compile that built the package cell `built`'s engine; None when it is not
+    the network's on a micro-batch (it fails on the whole batch too, as the plain step would). `owner` is the cell whose
+    inputs are the compiled cell's `inputs` (diagnostics.calls.inner_cell)."""
+    engine = built.engine
+    if owner is built:   # the package cell, or a pass-through train cell around it
         one = _fails_on(engine, inputs, 1)
         if one is None:
             return None
         if not one:
-            if engine.contract.in_graph and _fails_on(engine, inputs, 2):
+            if built.contract.in_graph and _fails_on(engine, inputs, 2):
                 return _contract_context(engine, inputs)
             return None
         if _fails_on(engine, inputs, None) is not False:
             return None   # the whole batch fails too (or cannot be tried): MindSpore's message says it all
-        return failure_context(engine.owner_name, engine.micro_size, engine, inputs)
+        return failure_context(engine.owner_name, engine.micro_size, engine, inputs, contract=built.contract)
     if not _network_call_in(str(error), engine):
         return None
     if engine.scaled_loss.record.layout is None:

@@ -6,6 +6,7 @@ from typing import Optional
 from mindspore import nn
 
 from ms_gradaccum._engine import MicroBatchGradients
+from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum._kinds import LossKind, LossSpec
 from ms_gradaccum._microbatch import check_tensor_inputs, micro_batch_rows
 from ms_gradaccum._tokens import recognised
@@ -84,7 +85,7 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
     spec = recognised(spec, loss_net, True)
     engine = MicroBatchGradients(loss_net, spec, overwrite=True, targets=lambda: ((), ()), cls_name=_PUBLIC,
                                  loss_scale=None)
-    found = engine.contract.probe(engine, inputs, public=True)
+    found = ContractCheck.of(engine, loss_net, spec, _PUBLIC).probe(engine, inputs, public=True)
     if found is None:
         raise ValueError(
             f"For '{_PUBLIC}', the probe cannot run on these inputs: it runs stand-alone or data parallel, on Tensors "
