@@ -8,6 +8,7 @@ from ms_gradaccum._kinds import LossKind as LossKind
 from ms_gradaccum._kinds import RowMean as RowMean
 from ms_gradaccum._kinds import RowSum as RowSum
 from ms_gradaccum._kinds import TokenMean as TokenMean
+from ms_gradaccum._mindspore.patches import remove_patches as remove_patches
 from ms_gradaccum._scheduler import GradAccumulationScheduler as GradAccumulationScheduler
 from ms_gradaccum._steps import AccumulatingTrainOneStepCell as AccumulatingTrainOneStepCell
 from ms_gradaccum._token_sum import token_sum_loss as token_sum_loss
@@ -18,4 +19,4 @@ __version__ = "0.3.0"
 
 __all__ = ["AccumulatingTrainOneStepCell", "EquivalenceReport", "GradAccumulationCell", "GradAccumulationScheduler",
            "IgnoredLabelMean", "LossContractReport", "LossKind", "RowMean", "RowSum", "TokenMean", "__version__",
-           "check_equivalence", "check_loss_contract", "token_sum_loss"]
+           "check_equivalence", "check_loss_contract", "remove_patches", "token_sum_loss"]

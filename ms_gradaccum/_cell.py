@@ -10,7 +10,7 @@ from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall, expect_first_compile
 from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum._engine import MicroBatchGradients, field, warn_where_inexact
-from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, compiling_graph, run_compile_checks
+from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
 from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, FoundOnce, Surroundings,
                                                   TrainGradAccuStepCell, child, data_parallel_in_force,
@@ -93,23 +93,23 @@ def check_loss_inside(found: Surroundings) -> None:
 
 
 def check_bprops(network: nn.Cell, micro_size: int) -> None:
-    """Autodiff gets a zeros_like of its own, so that bprops calling ``ops.zeros_like`` (MindFormers' loss cells)
-    compile in the nested gradient (_mindspore.patches); where it cannot, such a network is refused when a graph
-    compiles."""
-    if AUTODIFF_ZEROS_LIKE.install() or not compiling_graph():
-        return
+    """Where a cell of `network` has a bprop calling ``ops.zeros_like`` (MindFormers' loss cells), autodiff gets a
+    zeros_like of its own, so that the bprop compiles in the nested gradient (_mindspore.patches; removed by
+    ``ms_gradaccum.remove_patches()``); where it cannot, such a network is refused when a graph compiles. Nothing is
+    patched for a network without such a bprop."""
     from ms_gradaccum._mindspore.bprops import bprops_calling_zeros_like   # pylint: disable=import-outside-toplevel
     cells = bprops_calling_zeros_like(network)
-    if cells:
-        raise RuntimeError(
-            f"For '{_NAME}', the argument 'network' holds cells whose bprop calls mindspore.ops.zeros_like: "
-            f"{', '.join(cells)}. In a compiled graph this MindSpore ({ms.__version__}, laid out otherwise than the "
-            f"versions checked) cannot compile that bprop inside a gradient that is itself differentiated (\"The "
-            f"func graph is empty ... zeros_like\"), which is how "
-            f"{_NAME} hands its gradient to the train cell around it. Either train with AccumulatingTrainOneStepCell("
-            f"loss_net, optimizer, 1, micro_size={micro_size}) (the same update; under Model without optimizer=), or "
-            f"in PYNATIVE_MODE without ms.jit, or return ops.ZerosLike()(x) instead of ops.zeros_like(x) in that "
-            f"bprop.")
+    if not cells or AUTODIFF_ZEROS_LIKE.install() or ms.get_context("mode") != ms.GRAPH_MODE:
+        return
+    raise RuntimeError(
+        f"For '{_NAME}', the argument 'network' holds cells whose bprop calls mindspore.ops.zeros_like: "
+        f"{', '.join(cells)}. In a compiled graph this MindSpore ({ms.__version__}, laid out otherwise than the "
+        f"versions checked) cannot compile that bprop inside a gradient that is itself differentiated (\"The "
+        f"func graph is empty ... zeros_like\"), which is how "
+        f"{_NAME} hands its gradient to the train cell around it. Either train with AccumulatingTrainOneStepCell("
+        f"loss_net, optimizer, 1, micro_size={micro_size}) (the same update; under Model without optimizer=), or "
+        f"in PYNATIVE_MODE without ms.jit, or return ops.ZerosLike()(x) instead of ops.zeros_like(x) in that "
+        f"bprop.")
 
 
 class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, SpecFields, PrecisionNeutral):

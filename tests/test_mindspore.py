@@ -186,8 +186,9 @@ def test_mindspore_enclosing_cells_found_from_the_stack():
 @pytest.mark.slow
 def test_mindspore_patches_uninstall_restores_mindspore_and_plain_training_is_unchanged():
     # In a fresh process: train through GradAccumulationCell (the compile hook installed from its construction to its
-    # first compile, and removed by itself after it; autodiff's zeros_like kept), uninstall the patches, and find
-    # MindSpore's own objects back; a plain train cell trains bit-identically before the patches and after their undo.
+    # first compile, and removed by itself after it; autodiff's zeros_like only for a network whose bprop needs it, and
+    # kept), remove the patches (ms_gradaccum.remove_patches), and find MindSpore's own objects back; a plain train
+    # cell trains bit-identically before the patches and after their undo.
     code = """
 import numpy as np, mindspore as ms
 from mindspore import nn
@@ -204,28 +205,40 @@ def plain():
     return params_of(net)
 functional, compile_graph = zeros_like_impl.F, CELL_GRAPH_EXECUTOR.compile
 before = plain()
+import ms_gradaccum
 from ms_gradaccum import GradAccumulationCell
+def accumulated(loss_net):
+    return nn.TrainOneStepCell(GradAccumulationCell(loss_net(net), 4), make_optimizer("sgd", net.trainable_params()))
 net = make_mlp()
-step = nn.TrainOneStepCell(GradAccumulationCell(ZerosLikeLoss(net), 4), make_optimizer("sgd", net.trainable_params()))
+train_steps(accumulated(lambda net: nn.WithLossCell(net, ce())), classification_batches(1, 32))
+print("plain network:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed)
+step = accumulated(ZerosLikeLoss)
 print("built:", GRAPH_COMPILE.installed, CELL_GRAPH_EXECUTOR.compile == compile_graph)
 train_steps(step, classification_batches(1, 32))
 print("installed:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed, zeros_like_impl.F is functional,
       CELL_GRAPH_EXECUTOR.compile == compile_graph)
+print("removed:", ms_gradaccum.remove_patches(), ms_gradaccum.remove_patches())   # twice: nothing more
 for patch in PATCHES:
-    patch.uninstall()
-    patch.uninstall()   # twice: nothing more
+    patch.uninstall()   # each alone: nothing more either
 print("uninstalled:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed, zeros_like_impl.F is functional,
       CELL_GRAPH_EXECUTOR.compile == compile_graph, "ms_gradaccum._autodiff_functional" in sys.modules)
 after = plain()
+train_steps(accumulated(ZerosLikeLoss), classification_batches(1, 32))
+print("again:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed)
+ms_gradaccum.remove_patches()
 print("plain:", "bit-identical" if all(np.array_equal(before[k], after[k]) for k in before) else "DIFFERENT")
 """
     code = code.replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
                           env=repo_env(GLOG_v="3"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # A network without a bprop calling ops.zeros_like gets no patch (and the compile hook is gone after its compile).
+    assert "plain network: False False" in done.stdout, done.stdout
     assert "built: True False" in done.stdout, done.stdout   # control: the compile hook was in place until the compile
     assert "installed: True False False True" in done.stdout, done.stdout   # ... and removed by itself after it
+    assert "removed: ['autodiff zeros_like'] []" in done.stdout, done.stdout
     assert "uninstalled: False False True True False" in done.stdout, done.stdout
+    assert "again: True False" in done.stdout, done.stdout   # a cell that needs it installs it again at its compile
     assert "plain: bit-identical" in done.stdout, done.stdout
 
 

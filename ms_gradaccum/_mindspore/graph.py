@@ -13,8 +13,6 @@ from mindspore import nn
 from mindspore._c_expression import ms_ctx_param as _CONTEXT_PARAM
 from mindspore.ops.primitive import _primexpr as primexpr
 
-from ms_gradaccum._mindspore.surroundings import read_stack
-
 try:
     from mindspore.graph.api import _pynative_executor as PYNATIVE_EXECUTOR
 except ImportError:   # before 2.9
@@ -75,12 +73,6 @@ def traceback_runs_through(message: str, function) -> bool:
     body of `function` (``In file <file>:<line>,``; checked 2.7.0-2.10.0)."""
     code = function.__code__
     return f"{code.co_filename}:{code.co_firstlineno + 1}," in message
-
-
-def compiling_graph() -> bool:
-    """Whether the caller runs while a graph is being compiled: GRAPH_MODE, or an ``ms.jit`` function being compiled in
-    PyNative mode (read from the stack by _mindspore.surroundings.read_stack)."""
-    return ms.get_context("mode") == ms.GRAPH_MODE or read_stack().compiling_jit
 
 
 # Running a network eagerly from anywhere (the loss contract's pass, before a graph compiles, in GRAPH_MODE too):

@@ -1,8 +1,10 @@
 """The package's changes to MindSpore's process-wide state: each an object with ``install()`` (idempotent) and
-``uninstall()`` (MindSpore's originals back), installed lazily by the cells that need them.
+``uninstall()`` (MindSpore's originals back), installed lazily by the cells that need them; :func:`remove_patches`
+(public as ``ms_gradaccum.remove_patches``) undoes them all.
 
 - :data:`AUTODIFF_ZEROS_LIKE`: autodiff's zero gradients get a ``zeros_like`` of their own, so that custom bprops
-  calling ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside the cells' nested gradient.
+  calling ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside GradAccumulationCell's nested
+  gradient; installed when such a cell compiles, for no other network.
 - :data:`GRAPH_COMPILE`: the graph executor's ``compile`` is wrapped, to run hooks around each compile (the loss
   contract's eager pass) and to let the package add context to an error it recognises as its own.
 
@@ -164,3 +166,20 @@ def with_context(error: Exception, context: str) -> None:
 AUTODIFF_ZEROS_LIKE = AutodiffZerosLike()
 GRAPH_COMPILE = GraphCompile()
 PATCHES = (AUTODIFF_ZEROS_LIKE, GRAPH_COMPILE)
+
+
+def remove_patches() -> list:
+    """Puts back MindSpore's own objects wherever the package changed them, and returns the names of what it put back
+    (``[]`` when nothing was changed). Useful where a process must leave MindSpore as it found it (a test suite).
+
+    What can be in place: autodiff's own ``zeros_like``, installed when a ``GradAccumulationCell`` whose network has a
+    ``bprop`` calling ``mindspore.ops.zeros_like`` compiles, and kept for the process after (such a cell installs it
+    again at its next compile); the graph executor's ``compile`` wrapped while a package cell waits for its first
+    compile, and removed by itself after it (a cell still waiting then compares the first two micro-batches' values in
+    its graph instead of being probed first)."""
+    removed = [name for name, patch in (("autodiff zeros_like", AUTODIFF_ZEROS_LIKE), ("graph compile",
+                                                                                      GRAPH_COMPILE))
+               if patch.installed]
+    for patch in PATCHES:
+        patch.uninstall()
+    return removed
