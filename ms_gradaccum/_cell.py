@@ -6,15 +6,17 @@ from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers, _loss_scale
+from ms_gradaccum._binding import BoundCell
 from ms_gradaccum._buffers import GradientBuffers
-from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall, expect_first_compile
+from ms_gradaccum._compile_hook import expect_compile
+from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall
 from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum._engine import MicroBatchGradients, field, warn_where_inexact
-from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
+from ms_gradaccum._mindspore.graph import CompileChecks, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
-from ms_gradaccum._mindspore.surroundings import (PARALLEL_PASS_MODES, ROUTED_NAMES, FoundOnce, Surroundings,
-                                                  TrainGradAccuStepCell, child, data_parallel_in_force,
-                                                  parallel_mode, set_child)
+from ms_gradaccum._mindspore.surroundings import (ROUTED_NAMES, Surroundings, TrainGradAccuStepCell, child,
+                                                  data_parallel_in_force, parallel_mode, parallel_pass_in_force,
+                                                  set_child)
 from ms_gradaccum._base import PrecisionNeutral
 from ms_gradaccum._kinds import LossKind, LossSpec, SpecFields
 from ms_gradaccum._tokens import recognised
@@ -32,8 +34,9 @@ def _parallel_pass():
     return _parallel_pass
 
 
-def child_on_first_read(owner: nn.Cell, name: str, build) -> nn.Cell:
-    """`owner`'s child cell `name`, made by ``build()`` when first asked for."""
+def child_once(owner: nn.Cell, name: str, build) -> nn.Cell:
+    """`owner`'s child cell `name`, made by ``build()`` where it has none (when the cell is bound, never while a graph
+    compiles)."""
     part = child(owner, name)
     if part is None:
         part = build()
@@ -49,23 +52,30 @@ def data_parallel_module():
 
 class DataParallelParts:
     """Mixed into both cells: the start of a step (:meth:`batch_prologue`), and their parts under data parallel
-    (_parallel), built when first read in that mode: ``replicas``, the first step's check that every rank holds the same
-    weights; ``token_totals``, the sums across ranks."""
+    (_parallel), built when the cell is bound in that mode: ``replicas``, the first step's check that every rank holds
+    the same weights; ``token_totals``, the sums across ranks. ``data_parallel``: whether data parallel was in force
+    when the cell was bound."""
 
-    @compile_time
-    def data_parallel(self) -> bool:
-        """Whether data parallel is in force (read when the graph compiles: the context may be set later)."""
-        return data_parallel_in_force()
+    data_parallel = False
 
-    @compile_time
-    def replicas(self) -> nn.Cell:
-        return child_on_first_read(self, "replicas", lambda: data_parallel_module().ReplicaCheck(
-            self._targets, self.engine.owner_name))
+    def bind_data_parallel(self) -> None:
+        object.__setattr__(self, "data_parallel", data_parallel_in_force())
+        if self.data_parallel:
+            child_once(self, "replicas", lambda: data_parallel_module().ReplicaCheck(self._targets,
+                                                                                     self.engine.owner_name))
+            child_once(self, "token_totals", lambda: data_parallel_module().TokenTotals(self.kind,
+                                                                                        self.engine.owner_name))
 
-    @compile_time
-    def token_totals(self) -> nn.Cell:
-        return child_on_first_read(self, "token_totals", lambda: data_parallel_module().TokenTotals(
-            self.kind, self.engine.owner_name))
+    def check_data_parallel(self, cls_name: str) -> None:
+        """At compile: data parallel is in force exactly where the cell was bound for it, and ready."""
+        if data_parallel_in_force() != self.data_parallel:
+            raise RuntimeError(
+                f"For '{cls_name}', the graph compiles in {parallel_mode()} mode, but the cell was bound in "
+                f"{'data_parallel' if self.data_parallel else 'another'} mode (the parallel mode changed between its "
+                f"last binding and this compile, with no new train cell built around it). Call cell.rebind() after "
+                f"setting the parallel mode.")
+        if self.data_parallel:
+            data_parallel_module().check_data_parallel_ready(cls_name)
 
     def batch_prologue(self, inputs):
         """The start of a step in either cell, in the graph: ``(scale, (split, shared, constants, layout), unit)``: the
@@ -112,7 +122,7 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
         f"bprop.")
 
 
-class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, SpecFields, PrecisionNeutral):
+class GradAccumulationCell(ProbedOnFirstCall, BoundCell, DataParallelParts, SpecFields, PrecisionNeutral):
     r"""
     Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
 
@@ -181,51 +191,118 @@ class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, Spec
                            reduction, min_count, check_loss, kind)
         check_has_parameters(network, "network", _NAME)
         weights = check_weights(weights, network, _NAME)
-        scale = _loss_scale.for_grad_accumulation_cell(loss_scale, self, network, _NAME)
-        if parallel_mode() in PARALLEL_PASS_MODES:
+        scale = _loss_scale.for_grad_accumulation_cell(loss_scale, network, _NAME)
+        if parallel_pass_in_force():
             _parallel_pass().check_parallel_pass_arguments(loss_scale is not None, spec.kind, spec.shared_inputs)
         warn_where_inexact(network, _NAME, [f"micro_size={spec.micro_size} micro-batches"]
                            if spec.micro_size > 1 else [])
         spec = recognised(spec, network, spec.micro_size > 1)
         super().__init__(auto_prefix=False)
         self.network = network
-        self.spec = spec
+        self.use_spec(spec)
         self.explicit_loss_scale = loss_scale is not None
         self.loss_scale = scale
         object.__setattr__(self, "_explicit_weights", weights)   # a plain tuple: the weights stay the network's
         self.gradient_buffers = GradientBuffers()
-        if parallel_mode() not in PARALLEL_PASS_MODES:
-            # The buffers of the weights trained as of now; each compile adjusts them to what it trains (_resolve).
-            self.gradient_buffers.for_weights(list(weights) if weights is not None else network.trainable_params())
         self.engine = MicroBatchGradients(network, spec, overwrite=True, targets=self._targets, cls_name=_NAME,
                                           loss_scale=scale)
         self.contract = ContractCheck.of(self.engine, network, spec, _NAME)
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
         self.compile_checks = CompileChecks(self)
-        if parallel_mode() in PARALLEL_PASS_MODES:
-            self._build_parallel_pass_part()   # now, so that Model finds its markers
-        expect_first_compile(self)
+        self.bind(None)   # the buffers of the weights trained as of now (_binding)
+        expect_compile(self)
+
+    # --- binding (_binding) ------------------------------------------------------------------------------------------
+
+    #: Whether MindSpore's semi-auto/auto-parallel pass accumulates, as bound.
+    bound_parallel_pass = False
+
+    def trainable_now(self) -> frozenset:
+        """The network's weights with ``requires_grad=True`` now (their ids): what the cell follows where no optimizer
+        says what is trained."""
+        return frozenset(id(param) for param in self.network.trainable_params())
+
+    def _bind(self, found: Surroundings) -> None:
+        """The trained weights and their buffers (created where missing, dropped where unused), the parallel pass's
+        part or the data-parallel parts, and the loss scale of the train cell around it."""
+        # Model routes the cell to _TrainGradAccuStepCell in semi-auto/auto parallel, which AutoParallel sets only
+        # while Model builds it and while the graph compiles: that train cell around it says so too.
+        parallel_pass = parallel_pass_in_force() or isinstance(found.train_cell, TrainGradAccuStepCell)
+        object.__setattr__(self, "bound_parallel_pass", parallel_pass)
+        if parallel_pass:
+            child_once(self, "parallel_pass_part", lambda: _parallel_pass().ParallelPassAccumulation(
+                self.network, self.micro_size, self))
+            # _TrainGradAccuStepCell makes accu_grads.<weight> buffers of its own: ours would clash by name.
+            weights, buffers = [], self.gradient_buffers.for_weights([])
+        else:
+            weights = self._trained_weights(found) or list(self.network.get_parameters())
+            buffers = self.gradient_buffers.for_weights(weights)
+        object.__setattr__(self, "_resolved", (ParameterTuple(weights), buffers))   # not registered: no Cell attribute
+        object.__setattr__(self, "targets_key", ",".join(f"{weight.name}#{id(weight)}" for weight in weights))
+        self.bind_data_parallel()
+        self.loss_scale.bind(found.train_cell)
+
+    def _trained_weights(self, found: Surroundings) -> list:
+        """`weights` when given; otherwise the weights the wrapping train cell differentiates (its optimizer's, `found`
+        around the cell); without one, those with ``requires_grad=True``: every weight, since a network with frozen
+        ones needs `weights` there (check_at_compile)."""
+        if self._explicit_weights is not None:
+            return list(self._explicit_weights)
+        if found.optimizer is None:
+            return self.network.trainable_params()
+        trained = {id(weight) for weight in found.optimizer.parameters}
+        return [param for param in self.network.get_parameters() if id(param) in trained]
+
+    def _targets(self) -> tuple:
+        """``(weights, buffers)`` as bound."""
+        return self._resolved
+
+    @property
+    def weights(self) -> ParameterTuple:
+        """The weights whose gradients this cell accumulates (as bound)."""
+        return self._resolved[0]
+
+    @property
+    def accu_grads(self) -> ParameterTuple:
+        """Their ``accu_grads.<weight>`` buffers."""
+        return self._resolved[1]
+
+    # --- checks when a graph compiles --------------------------------------------------------------------------------
 
     def check_at_compile(self) -> None:
-        """What is checked when the graph compiles (every call in PyNative mode): _mindspore.graph.CompileChecks."""
-        found = self.find_surroundings()
-        if self.data_parallel:
-            data_parallel_module().check_data_parallel_ready(_NAME)
-        check_loss_inside(found)
-        wrapper = found.train_cell
-        if self.parallel_pass:
-            _parallel_pass().check_parallel_pass_arguments(self.explicit_loss_scale, self.kind, self.shared_inputs)
-            # _TrainGradAccuStepCell makes accu_grads.<weight> buffers of its own: ours (from an earlier stand-alone
-            # graph) would clash by name, and are not used here.
-            self.gradient_buffers.for_weights([])
+        """What is checked when the graph compiles (every call in PyNative mode): _mindspore.graph.CompileChecks. It
+        compares what is in force with what is bound (_binding), and changes nothing."""
+        self.check_data_parallel(_NAME)
+        if self.calling_eagerly:   # PyNative mode: bound from the arguments for this call (nothing around is known)
+            self.loss_scale.check()
             return
-        if isinstance(wrapper, TrainGradAccuStepCell):
+        found = self.surroundings
+        check_loss_inside(found)
+        in_force = parallel_pass_in_force()
+        if isinstance(found.train_cell, TrainGradAccuStepCell) and not in_force:
             raise RuntimeError(
                 f"For '{_NAME}', the train cell around it is MindSpore's _TrainGradAccuStepCell, which Model builds "
                 f"for semi-auto/auto parallel, but the graph compiles in {parallel_mode()} mode, where nothing would "
                 f"fill its buffers (it would train nothing). Keep the same parallel mode (or AutoParallel) for "
                 f"Model(...) and model.train(...).")
+        if in_force != self.bound_parallel_pass:
+            raise RuntimeError(
+                f"For '{_NAME}', the graph compiles in {parallel_mode()} mode, but the cell was bound for "
+                f"{'semi-auto/auto parallel' if self.bound_parallel_pass else 'stand-alone or data parallel'} (the "
+                f"parallel mode changed between its last binding and this compile, with no new train cell built "
+                f"around it). Call cell.rebind() after setting the parallel mode.")
+        if in_force:
+            _parallel_pass().check_parallel_pass_arguments(self.explicit_loss_scale, self.kind, self.shared_inputs)
+            return
+        if self._explicit_weights is None and self.trainable_now() != self.bound_trainable:
+            changed = [param.name for param in self.network.get_parameters()
+                       if (id(param) in self.bound_trainable) != param.requires_grad]
+            raise RuntimeError(
+                f"For '{_NAME}', the network's weights with requires_grad=True changed since the cell was bound ("
+                f"{', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}), and this compile is not one the cell "
+                f"rebinds by itself (a new nn.TrainOneStepCell or Model around it, or PyNative mode). Call "
+                f"cell.rebind() after freezing or unfreezing weights, or pass weights= to the cell.")
         if found.optimizer is None and self._explicit_weights is None:
             # Batch statistics are state, not weights: no grad call differentiates them.
             frozen = [param.name for param in self.network.get_parameters() if not param.requires_grad and
@@ -238,7 +315,6 @@ class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, Spec
         if self._explicit_weights is not None:
             self._check_explicit_weights(found)
         check_bprops(self.network, self.micro_size)
-        self._resolve(found)
         self.loss_scale.check()
 
     @property
@@ -250,21 +326,11 @@ class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, Spec
         name = type(self).__name__
         return _UNROUTED_NAME if name in ROUTED_NAMES else name
 
-    @compile_time
-    def parallel_pass_part(self) -> nn.Cell:
-        """The part MindSpore's semi-auto/auto-parallel pass accumulates through (its micro-batch markers), built in
-        those modes only."""
-        return self._build_parallel_pass_part()
-
-    def _build_parallel_pass_part(self) -> nn.Cell:
-        return child_on_first_read(self, "parallel_pass_part", lambda: _parallel_pass().ParallelPassAccumulation(
-            self.network, self.micro_size, self))
-
-    @compile_time
+    @property
     def parallel_pass(self) -> bool:
-        """Whether MindSpore's semi-auto/auto-parallel pass accumulates: read when ``Model`` builds its train cell and
-        when the graph compiles (``AutoParallel`` sets the mode only then)."""
-        return parallel_mode() in PARALLEL_PASS_MODES
+        """Whether MindSpore's semi-auto/auto-parallel pass is in force now: read when ``Model`` builds its train cell
+        (``AutoParallel`` sets the mode only then and while the graph compiles)."""
+        return parallel_pass_in_force()
 
     def _check_explicit_weights(self, found: Surroundings) -> None:
         """Refuses `weights` that leave out a weight of the network the wrapping optimizer updates (a zero gradient)."""
@@ -281,50 +347,9 @@ class GradAccumulationCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, Spec
                 f" ({len(left_out)} in all), which would get a zero gradient. Pass weights=optimizer.parameters, or "
                 f"build the optimizer over the weights you pass.")
 
-    def _trained_weights(self, found: Optional[Surroundings]) -> list:
-        """`weights` when given; otherwise the weights the wrapping train cell differentiates (its optimizer's, `found`
-        around the cell); without one (and before the first compile), those with ``requires_grad=True``: every weight,
-        since a network with frozen ones needs `weights` there (check_at_compile)."""
-        if self._explicit_weights is not None:
-            return list(self._explicit_weights)
-        if found is None or found.optimizer is None:
-            return self.network.trainable_params()
-        trained = {id(weight) for weight in found.optimizer.parameters}
-        return [param for param in self.network.get_parameters() if id(param) in trained]
-
-    def _resolve(self, found: Surroundings) -> None:
-        """Resolves the trained weights and their buffers (created when needed, dropped when unused) once per compile,
-        in this cell's graph, where the train cell is visible; the attributes below and the engine only read it."""
-        weights = self._trained_weights(found) or list(self.network.get_parameters())
-        resolved = (ParameterTuple(weights), self.gradient_buffers.for_weights(weights))
-        object.__setattr__(self, "_resolved", resolved)   # not a Cell attribute: nothing is registered
-
-    def _targets(self) -> tuple:
-        """``(weights, buffers)`` as last resolved; before the first compile, the weights that would be trained."""
-        resolved = self.__dict__.get("_resolved")
-        if resolved is None:
-            return (ParameterTuple(self._trained_weights(None)),
-                    ParameterTuple(list(self.gradient_buffers.get_parameters())))
-        return resolved
-
-    @compile_time
-    def weights(self) -> ParameterTuple:
-        """The weights whose gradients this cell accumulates (as resolved when the graph last compiled)."""
-        return self._targets()[0]
-
-    @compile_time
-    def accu_grads(self) -> ParameterTuple:
-        """Their ``accu_grads.<weight>`` buffers."""
-        return self._targets()[1]
-
-    @compile_time
-    def targets_key(self) -> str:
-        # Names the weights for the engine's compile cache, so PyNative mode compiles again when they change.
-        return ",".join(f"{weight.name}#{id(weight)}" for weight in self._targets()[0])
-
     def construct(self, *inputs):
         run_compile_checks(self.compile_checks)
-        if self.parallel_pass:
+        if self.bound_parallel_pass:
             return self.parallel_pass_part(*inputs)
         scale, (split, shared, constants, layout), unit = self.batch_prologue(inputs)
         result = self.engine(split, shared, constants, layout, scale, unit, self.targets_key)

@@ -21,7 +21,6 @@ from mindspore import ops, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers
-from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._validation import (argument_error, check_bool, check_input_indices, check_min_count,
                                       check_positive_int, check_reduction)
 
@@ -250,47 +249,22 @@ class LossSpec:
 
 
 class SpecFields:
-    """Mixed into the cells, which hold their :class:`LossSpec` as ``self.spec``: its fields by name, read from it (in
-    Python, and through ``compile_time`` while a graph compiles), not copied."""
+    """Mixed into the cells, which hold their :class:`LossSpec` as ``self.spec`` and its fields as plain attributes of
+    the same names (set together by :meth:`use_spec`, read in Python and by the graph)."""
+
+    def use_spec(self, spec: LossSpec) -> None:
+        """Holds `spec` and its fields: ``micro_size`` (micro-batches per batch), ``kind`` (the loss kind),
+        ``shared_inputs`` (the inputs every micro-batch receives whole), ``per_token_loss``, ``reduction`` and
+        ``min_count`` (the kind's public arguments), ``check_loss`` (whether the loss contract is probed)."""
+        for name, value in (("spec", spec), ("micro_size", spec.micro_size), ("kind", spec.kind),
+                            ("shared_inputs", spec.shared_inputs), ("per_token_loss", spec.per_token_loss),
+                            ("reduction", spec.reduction), ("min_count", spec.min_count),
+                            ("check_loss", spec.check_loss)):
+            object.__setattr__(self, name, value)
 
     def use_kind(self, kind: LossKind) -> None:
         """Trains with `kind` from the next compile on: the kind the first call's probe found (diagnostics.contract),
         set before the first graph compiles."""
-        self.spec = self.spec.with_kind(kind)
+        self.use_spec(self.spec.with_kind(kind))
         self.engine.use_kind(kind)
         self.contract.kind = kind
-
-    @compile_time
-    def micro_size(self) -> int:
-        """Micro-batches per batch."""
-        return self.spec.micro_size
-
-    @compile_time
-    def kind(self) -> LossKind:
-        """The loss kind."""
-        return self.spec.kind
-
-    @compile_time
-    def shared_inputs(self) -> tuple:
-        """The inputs every micro-batch receives whole."""
-        return self.spec.shared_inputs
-
-    @compile_time
-    def per_token_loss(self) -> bool:
-        """Whether the network returns ``(loss_sum, count)``."""
-        return self.spec.per_token_loss
-
-    @compile_time
-    def reduction(self) -> str:
-        """``'mean'`` or ``'sum'``."""
-        return self.spec.reduction
-
-    @compile_time
-    def min_count(self) -> float:
-        """The floor of the count a batch or window divides by."""
-        return self.spec.min_count
-
-    @compile_time
-    def check_loss(self) -> bool:
-        """Whether the loss contract is checked."""
-        return self.spec.check_loss

@@ -1,24 +1,24 @@
 """The loss scale: one object per cell, from one source, applied in one place and removed in one place.
 
-A loss scale protects float16 gradients only if it multiplies the loss of the backward pass that computes them, and
-both cells run their micro-batch backward passes themselves. The source is chosen when the cell is built
+A loss scale protects float16 gradients only if it multiplies the loss of the backward pass that computes them, and both
+cells run their micro-batch backward passes themselves. The source is chosen when the cell is built
 (:func:`for_grad_accumulation_cell`, ``_steps.scale_of``): a number; a live Parameter (``loss_scale=`` one, or
 ``scale_sense``); the fixed ``sens`` of the train cell around a ``GradAccumulationCell`` (``Model`` with a
-``FixedLossScaleManager``), read when the graph compiles; or none (1.0, warned about for float16 networks). Calling the
-object gives the float32 scale: ``_engine.ScaledLoss`` applies it, ``_buffers.divisor`` removes it.
+``FixedLossScaleManager``), read when the cell is bound (``_binding``); or none (1.0, warned about for float16
+networks). Calling the object gives the float32 scale: ``_engine.ScaledLoss`` applies it, ``_buffers.divisor`` removes
+it.
 """
 import numbers
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._base import PrecisionNeutral
-from ms_gradaccum._mindspore.surroundings import applied_sens, surroundings_of
+from ms_gradaccum._mindspore.surroundings import applied_sens
 from ms_gradaccum._validation import argument_error, computes_in_float16
 
 SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "
@@ -58,6 +58,10 @@ class LossScale(PrecisionNeutral):
         object.__setattr__(self, "_network", weakref.ref(network))
         object.__setattr__(self, "_fix", fix)
         object.__setattr__(self, "_warned", False)
+
+    def bind(self, train_cell: Optional[nn.Cell]) -> None:
+        """Takes what it needs of the train cell around the owner (None: none, or not known), when the owner is bound
+        (``_binding``)."""
 
     def check(self) -> None:
         """Raises what is wrong with the scale, and warns, when the owner's graph compiles (see
@@ -99,29 +103,23 @@ class LiveScale(LossScale):
 
 
 class WrapperScale(LossScale):
-    """The fixed ``sens`` of the train cell wrapping `owner`, read when the graph compiles (1.0 without one)."""
+    """The fixed ``sens`` of the train cell around the owner, taken when the owner is bound (1.0 without one, and in
+    PyNative mode, where nothing around it is known)."""
 
-    def __init__(self, owner: nn.Cell, cls_name: str, network: nn.Cell, fix: str):
+    def __init__(self, cls_name: str, network: nn.Cell, fix: str):
         super().__init__(cls_name, network, fix)
-        object.__setattr__(self, "_owner", weakref.ref(owner))
+        self.bind(None)
 
-    @compile_time
-    def skips_non_finite(self) -> bool:
-        return isinstance(surroundings_of(self._owner()).train_cell, nn.TrainOneStepWithLossScaleCell)
-
-    def _applied(self) -> tuple:
-        """``(the wrapping train cell or None, the sens it applies: 1.0 without one, None where it changes)``."""
-        wrapper = surroundings_of(self._owner()).train_cell
-        return wrapper, 1.0 if wrapper is None else applied_sens(wrapper)
-
-    @compile_time
-    def value(self) -> float:
-        scale = self._applied()[1]
-        return 1.0 if scale is None else scale   # a changing scale is refused by check(), which runs first
+    def bind(self, train_cell: Optional[nn.Cell]) -> None:
+        applied = 1.0 if train_cell is None else applied_sens(train_cell)
+        object.__setattr__(self, "_wrapper", None if train_cell is None else weakref.ref(train_cell))
+        object.__setattr__(self, "_applied", applied)   # None: it changes while training (refused by check())
+        object.__setattr__(self, "value", 1.0 if applied is None else applied)
+        object.__setattr__(self, "skips_non_finite", isinstance(train_cell, nn.TrainOneStepWithLossScaleCell))
 
     def check(self) -> None:
-        wrapper, scale = self._applied()
-        if scale is None:
+        if self._applied is None:
+            wrapper = self._wrapper()
             raise ValueError(
                 f"For '{self._cls_name}', the train cell that wraps it changes its loss scale while training "
                 f"({type(wrapper).__name__} with a DynamicLossScaleUpdateCell, which Model builds for a "
@@ -129,7 +127,7 @@ class WrapperScale(LossScale):
                 f"forward and cannot follow that scale. Either train with Model(AccumulatingTrainOneStepCell("
                 f"loss_net, optimizer, 1, micro_size=micro_size, scale_sense=manager.get_update_cell())), which "
                 f"scales every micro-batch and skips overflowing steps, or use a FixedLossScaleManager.")
-        if scale == 1.0:
+        if self._applied == 1.0:
             self.warn_if_float16()
 
     def construct(self):
@@ -140,10 +138,10 @@ _CELL_FIX = ("Pass the scale to the cell: GradAccumulationCell(loss_net, micro_s
              "(the scaler's Parameter, read live) or loss_scale=1024.0.")
 
 
-def for_grad_accumulation_cell(loss_scale: Any, owner: nn.Cell, network: nn.Cell, cls_name: str) -> LossScale:
+def for_grad_accumulation_cell(loss_scale: Any, network: nn.Cell, cls_name: str) -> LossScale:
     """`loss_scale` of GradAccumulationCell: None (the wrapper's), a number, a scalar Tensor or a Parameter."""
     if loss_scale is None:
-        return WrapperScale(owner, cls_name, network, _CELL_FIX)
+        return WrapperScale(cls_name, network, _CELL_FIX)
     value = check_scale_value(loss_scale, "loss_scale", cls_name)
     if isinstance(loss_scale, Parameter):
         return LiveScale(loss_scale, cls_name, network, _CELL_FIX)

@@ -16,7 +16,7 @@ from mindspore.parallel.nn import GradAccumulation
 
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.parallel import batch_axis_splits, scale_left_out
-from ms_gradaccum._mindspore.surroundings import parallel_mode, surroundings_of
+from ms_gradaccum._mindspore.surroundings import parallel_mode
 from ms_gradaccum._base import PrecisionNeutral
 from ms_gradaccum._microbatch import input_shapes
 
@@ -105,8 +105,9 @@ class ParallelPassAccumulation(PrecisionNeutral):
 
     @compile_time
     def left_out_scale(self) -> float:
-        """The optimizer's loss_scale when the wrapper never applies it, else 1 (read when the graph compiles)."""
-        return scale_left_out(surroundings_of(self._owner()).train_cell)
+        """The optimizer's loss_scale when the wrapper never applies it, else 1 (of the train cell around the owner as
+        it was bound: _binding)."""
+        return scale_left_out(self._owner().surroundings.train_cell)
 
     @compile_time
     def batch_splits(self) -> tuple:

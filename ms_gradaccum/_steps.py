@@ -1,6 +1,7 @@
 """AccumulatingTrainOneStepCell: one optimizer step every `accumulate_steps` batches, each batch optionally split into
 `micro_size` micro-batches."""
 import dataclasses
+import operator
 from typing import Optional
 
 import mindspore as ms
@@ -9,12 +10,15 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum import _buffers
 from ms_gradaccum._buffers import GradientBuffers
+from ms_gradaccum._binding import BoundCell
 from ms_gradaccum._cell import DataParallelParts, GradAccumulationCell, data_parallel_module
-from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall, expect_first_compile
+from ms_gradaccum._compile_hook import done_waiting, expect_compile
+from ms_gradaccum._mindspore.surroundings import Surroundings
+from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall
 from ms_gradaccum._engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
-from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, FoundOnce, parallel_mode
+from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force
 from ms_gradaccum._kinds import LossKind, LossSpec, RowMean, SpecFields, declares_kind
 from ms_gradaccum._loss_scale import SCALE_EXPECTED, LiveScale, LossScale, check_scale_value
 from ms_gradaccum._tokens import recognised
@@ -27,7 +31,7 @@ _NAME = "AccumulatingTrainOneStepCell"
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)   # what scale_sense may be
 
 
-class AccumulatingTrainOneStepCell(ProbedOnFirstCall, FoundOnce, DataParallelParts, SpecFields, nn.TrainOneStepCell):
+class AccumulatingTrainOneStepCell(ProbedOnFirstCall, BoundCell, DataParallelParts, SpecFields, nn.TrainOneStepCell):
     r"""
     A drop-in for ``nn.TrainOneStepCell`` that steps the optimizer once every `accumulate_steps` calls, each call's
     batch optionally split into `micro_size` micro-batches.
@@ -118,7 +122,7 @@ class AccumulatingTrainOneStepCell(ProbedOnFirstCall, FoundOnce, DataParallelPar
                 f"unscales the gradients itself, and the optimizer would divide them again), but got "
                 f"{optimizer.loss_scale}. Create the optimizer without loss_scale.")
         super().__init__(network, optimizer)
-        self.spec = spec
+        self.use_spec(spec)
         self.loss_scale = scale
         self.loss_scaled = scale_sense is not None
         self.loss_scaling_manager = manager
@@ -128,6 +132,7 @@ class AccumulatingTrainOneStepCell(ProbedOnFirstCall, FoundOnce, DataParallelPar
         # GradAccumulationCell network's own (from a graph of it compiled before) are dropped, one name each.
         if isinstance(network, GradAccumulationCell):
             network.gradient_buffers.for_weights([])
+            done_waiting(network)   # taken apart: it never compiles
         self.gradient_buffers = GradientBuffers(self.buffer_prefix)
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
         self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, targets=self._targets, cls_name=_NAME,
@@ -148,7 +153,8 @@ class AccumulatingTrainOneStepCell(ProbedOnFirstCall, FoundOnce, DataParallelPar
         object.__setattr__(self, "_kept_state", [])
         if self.state_under_optimizer:
             optimizer.insert_child_to_cell("grad_accumulation_state", StateUnderOptimizer(self.state()))
-        expect_first_compile(self)
+        self.bind(None)
+        expect_compile(self)
 
     def state(self) -> list:
         """The Parameters of the window's state: its buffers, the window (``accu_state.*``), the loss scale, and what a
@@ -189,25 +195,44 @@ class AccumulatingTrainOneStepCell(ProbedOnFirstCall, FoundOnce, DataParallelPar
         `stepped` (a scalar that exists once the step is done) made to depend on that work. Default: nothing."""
         return stepped
 
+    # --- binding (_binding) ------------------------------------------------------------------------------------------
+
+    def _bind(self, found: Surroundings) -> None:
+        """The data-parallel parts (the weights and buffers are the optimizer's, from construction)."""
+        self.bind_data_parallel()
+
+    #: Whether ``Model`` trains the cell: Model sets ``phase`` on the network it trains (mindspore/train/model.py,
+    #: ``_exec_preprocess``; checked 2.7.0-2.10.0), which a loop of one's own does not.
+    trained_by_model = False
+
+    def _set_phase(self, value: str) -> None:
+        nn.Cell.phase.fset(self, value)
+        object.__setattr__(self, "trained_by_model", True)
+
+    # Cell.phase, noting who sets it. MindSpore reads it on every call: the getter is operator.attrgetter, which runs no
+    # Python (a steady call runs none of the package's).
+    phase = property(operator.attrgetter("_phase"), _set_phase, doc=nn.Cell.phase.__doc__)
+
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see
-        _mindspore.graph.CompileChecks."""
-        found = self.find_surroundings()
-        if self.data_parallel:
-            data_parallel_module().check_data_parallel_ready(_NAME)
-        if parallel_mode() in PARALLEL_PASS_MODES:
+        _mindspore.graph.CompileChecks. It compares what is in force with what is bound (_binding), and changes
+        nothing."""
+        self.check_data_parallel(_NAME)
+        if parallel_pass_in_force():
             raise RuntimeError(
                 f"For '{_NAME}', semi-auto/auto parallel is not supported: there MindSpore's parallel pass does the "
                 f"accumulation and shards its buffers. Train Model(GradAccumulationCell(loss_net, micro_size), "
                 f"optimizer=...) instead (under set_auto_parallel_context or AutoParallel).")
-        outer = found.optimizer
-        if outer is not None:
+        # Another optimizer around it: found in the tree of the root being compiled, or in PyNative mode (nothing around
+        # is known there) told by the gradient a train cell around it takes of it (its set_grad).
+        differentiated = self.surroundings.optimizer is not None or (self.calling_eagerly and self.requires_grad)
+        if differentiated:
             raise ValueError(
                 f"For '{_NAME}', the cell is a train cell with its own optimizer, but it is wrapped in another cell "
                 f"that holds an optimizer too (Model(cell, optimizer=...) builds one), which would apply a second, "
                 f"zero update. Train it as Model({_NAME}(...)) without optimizer=, or call it directly.")
         self.loss_scale.check()
-        self.window.warn_if_left_open(type(self).__name__, lambda: found.under_model)
+        self.window.warn_if_left_open(type(self).__name__, self.trained_by_model)
 
     def _targets(self) -> tuple:
         """``(weights, buffers)``: the optimizer's parameters, as for nn.TrainOneStepCell, and their buffers."""

@@ -19,7 +19,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum._kinds import LossKind, LossSpec
 from ms_gradaccum._mindspore.graph import compile_time
-from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES, parallel_mode, with_child_replaced
+from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, with_child_replaced
 from ms_gradaccum._token_sum import is_token_mean, token_sum_loss
 
 
@@ -55,7 +55,7 @@ def recognised(spec: LossSpec, network: nn.Cell, accumulates: bool) -> LossSpec:
     """`spec` with the kind :class:`CountedMean` where `network` holds recognised token-mean cells, the cell splits or
     sums batches (`accumulates`), nothing was declared about the loss and MindSpore's semi-auto/auto-parallel pass
     does not accumulate (it averages micro-batch means); else `spec` itself."""
-    if spec.declared or not accumulates or spec.kind.counts_in_network or parallel_mode() in PARALLEL_PASS_MODES:
+    if spec.declared or not accumulates or spec.kind.counts_in_network or parallel_pass_in_force():
         return spec
     cells = token_mean_cells(network)
     if not cells:

@@ -99,14 +99,13 @@ class Window(nn.Cell):
     def last_window_loss(self) -> float:
         return float(self.last_loss.asnumpy())
 
-    def warn_if_left_open(self, owner: str, under_model) -> None:
-        """One UserWarning when Model trains windows of several batches and nothing closes an epoch's last window: it
-        would run on into the next epoch, and the last one of training would never be applied. `under_model` is
-        called (a stack walk) only when the rest says the warning may be due."""
+    def warn_if_left_open(self, owner: str, under_model: bool) -> None:
+        """One UserWarning when Model trains windows of several batches (`under_model`) and nothing closes an epoch's
+        last window: it would run on into the next epoch, and the last one of training would never be applied."""
         if self.closed_at_epoch_end or self.warned:
             return
         steps = self.accumulate_steps
-        if steps == 1 or self.epoch_length or not under_model():
+        if steps == 1 or self.epoch_length or not under_model:
             return
         self.warned = True
         warnings.warn(

@@ -51,13 +51,12 @@ except ImportError as error:   # pragma: no cover - the message is what matters
         f"({error}). Install it: pip install mindformers==2.1.0 (ms_gradaccum's CI installs it with --no-deps, see "
         ".ci/run), or use ms_gradaccum's cells with mindspore.train.Model instead.") from error
 
-import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._mindspore.patches import Patch
-from ms_gradaccum._mindspore.surroundings import PARALLEL_PASS_MODES
+from ms_gradaccum._mindspore.surroundings import parallel_mode, parallel_pass_in_force
 from ms_gradaccum._kinds import LossSpec
 from ms_gradaccum._steps import SCALE_MANAGERS, AccumulatingTrainOneStepCell
 from ms_gradaccum._window import STATE_PREFIX
@@ -277,11 +276,10 @@ def check_trainer_config(config) -> None:
             f"would reset it to 1 outside semi-auto/auto parallel, and replace this wrapper with its own there. "
             f"Accumulate with this wrapper's keys instead: runner_wrapper micro_size={steps} (micro-batches of each "
             f"batch) or accumulate_steps={steps} (dataset steps per optimizer step).")
-    mode = ms.get_auto_parallel_context("parallel_mode")
-    if mode in PARALLEL_PASS_MODES:
+    if parallel_pass_in_force():
         raise ValueError(
-            f"For '{_NAME}', the parallel mode must be stand_alone or data_parallel, but it is {mode}: there "
-            f"MindFormers' gradient_accumulation_steps (its MFPipelineWithLossScaleCell) accumulates.")
+            f"For '{_NAME}', the parallel mode must be stand_alone or data_parallel, but it is {parallel_mode()}: "
+            f"there MindFormers' gradient_accumulation_steps (its MFPipelineWithLossScaleCell) accumulates.")
 
 
 class TrainerCheck(Patch):

@@ -126,20 +126,14 @@ def test_loss_scale_fp32_training_bit_exact_whatever_the_scale_source():
 
 
 def test_loss_scale_read_from_the_wrapping_train_cell():
+    # Bound from the root of the compile (_binding): the train cell's fixed sens; 1.0 where nothing is around.
     cell = GradAccumulationCell(nn.WithLossCell(make_mlp(), SmallLoss()), K)
-    assert cell.loss_scale.value == 1.0          # no train cell on the stack
-
-    class Probe(nn.Cell):
-        def __init__(self, wrapper):
-            super().__init__()
-            self.wrapper = wrapper
-
-        def compile(self):  # a frame whose `self` holds the train cell, as Cell.compile's does
-            return cell.loss_scale.value
-
+    assert cell.loss_scale.value == 1.0          # nothing around it yet
     opt = nn.SGD(cell.trainable_params(), 0.1)
-    assert Probe(nn.TrainOneStepCell(cell, opt, sens=512.0)).compile() == 512.0
-    assert Probe(nn.TrainOneStepCell(cell, opt)).compile() == 1.0
+    assert cell.bind(nn.TrainOneStepCell(cell, opt, sens=512.0)) and cell.loss_scale.value == 512.0
+    assert cell.bind(nn.TrainOneStepCell(cell, opt)) and cell.loss_scale.value == 1.0
+    assert not cell.bind(nn.TrainOneStepCell(nn.WithLossCell(make_mlp(), SmallLoss()), opt, sens=512.0))
+    assert cell.loss_scale.value == 1.0          # a tree without the cell binds nothing
 
 
 @pytest.mark.slow

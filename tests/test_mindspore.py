@@ -163,22 +163,16 @@ def test_mindspore_model_routes_by_class_name():
     assert not _is_grad_accumulation(_parallel_pass.ParallelPassMarkers(nn.Dense(2, 2), 2))
 
 
-def test_mindspore_enclosing_cells_found_from_the_stack():
+def test_mindspore_enclosing_cells_found_walking_down_from_the_root():
     inner = nn.Dense(2, 2)
     optimizer = nn.SGD(inner.trainable_params(), 0.1)
-    wrapper = nn.TrainOneStepCell(nn.WithLossCell(inner, nn.MSELoss()), optimizer)
-
-    class Frame(nn.Cell):
-        def __init__(self, top):
-            super().__init__()
-            self.top = top
-
-        def look(self):
-            found = surroundings.discover(inner)
-            return found.train_cell, found.optimizer
-
-    assert Frame(wrapper).look() == (wrapper, optimizer)
-    assert surroundings.discover(inner).train_cell is None and surroundings.discover(inner).optimizer is None
+    loss_net = nn.WithLossCell(inner, nn.MSELoss())
+    wrapper = nn.TrainOneStepCell(loss_net, optimizer)
+    assert surroundings.enclosing_cells(inner, wrapper) == [wrapper, loss_net]
+    assert surroundings.around(inner, wrapper) == surroundings.Surroundings(wrapper, optimizer, loss_net)
+    assert surroundings.around(loss_net, wrapper) == surroundings.Surroundings(wrapper, optimizer, None)
+    assert surroundings.around(wrapper, wrapper) == surroundings.Surroundings()   # the root itself: nothing around
+    assert surroundings.around(inner, nn.Dense(2, 2)) is None                    # a tree without it
 
 
 # --- the patches: each undone by its uninstall() ------------------------------------------------------------------
@@ -366,93 +360,97 @@ def test_mindspore_package_has_no_import_cycle():
     assert len(graph) > 10 and any(graph.values())   # control: the graph was read
 
 
-def test_mindspore_discovery_is_kept_on_the_cell_only():
-    # The surroundings a compile found are kept on the package cell (FoundOnce) and nowhere else: a module-level table
-    # of them (even keyed weakly by the cell) kept every compiled cell alive through the train cell it holds.
+def test_mindspore_surroundings_are_kept_on_the_cell_only():
+    # The surroundings a binding found are kept on the package cell and nowhere else: a module-level table of them
+    # (even keyed weakly by the cell) kept every compiled cell alive through the train cell it holds.
     import gc   # pylint: disable=import-outside-toplevel
-    from ms_gradaccum import GradAccumulationCell   # pylint: disable=import-outside-toplevel
+    from ms_gradaccum import GradAccumulationCell, _binding   # pylint: disable=import-outside-toplevel
     from helpers import ce, classification_batches, make_mlp, make_optimizer   # pylint: disable=import-outside-toplevel
     net = make_mlp()
     cell = GradAccumulationCell(nn.WithLossCell(net, ce()), 4)
+    assert cell.surroundings is _binding.NOTHING_AROUND   # built: bound from its arguments
     step = nn.TrainOneStepCell(cell, make_optimizer("sgd", net.trainable_params()))
     x, y = classification_batches(1, 32)[0]
     step(Tensor(x), Tensor(y))
     gc.collect()
     kept = cell.__dict__["surroundings"]
-    assert kept.train_cell is step and kept.optimizer is step.optimizer   # control: what the compile found
-    held = [obj for obj in gc.get_objects() if type(obj) is surroundings.Surroundings]  # weak proxies: no isinstance
+    assert kept.train_cell is step and kept.optimizer is step.optimizer   # control: what the compile's root held
+    held = [obj for obj in gc.get_objects()
+            if type(obj) is surroundings.Surroundings and obj is not _binding.NOTHING_AROUND]  # no isinstance: proxies
     for found in held:
         holders = [ref for ref in gc.get_referrers(found) if isinstance(ref, dict)]
-        assert holders and all(isinstance(holder.get("surroundings"), surroundings.Surroundings) and
-                               holder.get("_cells") is not None for holder in holders), holders
-    # Outside a compile, a description is what discover returns (nothing around the cell).
-    assert surroundings.discover(cell) == surroundings.Surroundings(None, None, None, False)
+        assert holders and all(holder.get("surroundings") is found and holder.get("_cells") is not None
+                               for holder in holders), holders
 
 
 @pytest.mark.parametrize("mode", ["graph", "pynative"])
-def test_mindspore_discovery_walks_once_per_compile_or_pynative_call(monkeypatch, mode):
-    # One walk of the stack per compile, at its start (PyNative: on the first call only), handed to the compile checks,
-    # the loss scale, the trained weights and the optimizer check (17 walks per compile before, 6 per PyNative call).
+def test_mindspore_binding_runs_once_per_compile_and_never_on_a_steady_call(monkeypatch, mode):
+    # Bound at construction, then once from the root of the first compile (graph mode); PyNative mode hands over no
+    # root and keeps what construction bound while the trained weights stay. A steady call binds nothing (0.3.0 read
+    # the stack once per compile or first PyNative call, and 17 times per compile before that).
     from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # pylint: disable=import-outside-toplevel
+    from ms_gradaccum import _binding   # pylint: disable=import-outside-toplevel
     from helpers import ce, classification_batches, make_mlp, make_optimizer   # pylint: disable=import-outside-toplevel
-    walks = []
-    walk = surroundings.discover
-    monkeypatch.setattr(surroundings, "discover", lambda cell: walks.append(type(cell).__name__) or walk(cell))
+    binds = []
+    bind = _binding.BoundCell.bind
+    monkeypatch.setattr(_binding.BoundCell, "bind", lambda self, root=None: binds.append(
+        (type(self).__name__, type(root).__name__ if root is not None else None)) or bind(self, root))
     x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     try:
-        net = make_mlp()
+        first_net = net = make_mlp()
         cell = GradAccumulationCell(nn.WithLossCell(net, ce()), 4)
         step = nn.TrainOneStepCell(cell, make_optimizer("sgd", net.trainable_params()))
         step(x, y)
-        assert walks == ["GradAccumulationCell"]
-        step(x, y)   # graph mode: the compiled graph runs; PyNative: found on the first call; nothing is found again
-        assert walks == ["GradAccumulationCell"]
-        walks.clear()
+        first = [("GradAccumulationCell", None)] + ([("GradAccumulationCell", "TrainOneStepCell")]
+                                                   if mode == "graph" else [])
+        assert binds == first
+        step(x, y)
+        assert binds == first
+        binds.clear()
         net = make_mlp()
         AccumulatingTrainOneStepCell(nn.WithLossCell(net, ce()), make_optimizer("sgd", net.trainable_params()), 2)(x, y)
-        assert walks == ["AccumulatingTrainOneStepCell"]
+        assert binds == [("AccumulatingTrainOneStepCell", None)] + (
+            [("AccumulatingTrainOneStepCell", "AccumulatingTrainOneStepCell")] if mode == "graph" else [])
+        # Control: a change of the trained weights binds again in PyNative mode (graph mode: on rebind()).
+        binds.clear()
+        list(first_net.trainable_params())[0].requires_grad = False
+        if mode == "graph":
+            cell.rebind()
+        step(x, y)
+        assert binds and binds[0][0] == "GradAccumulationCell", binds
     finally:
         ms.set_context(mode=ms.GRAPH_MODE)
-    # Control: discover itself walks at every read (and outside a compile finds nothing around the cell).
-    walks.clear()
-    assert surroundings.discover(cell).train_cell is None and surroundings.discover(cell).train_cell is None
-    assert walks == ["GradAccumulationCell"] * 2
 
 
-def test_mindspore_frames_are_read_in_one_function():
-    """The stack is read by _mindspore.surroundings.read_stack alone; compiling_graph, Model.train and the grad call's
-    weights are reads of its result."""
+_FRAME_READS = {"_getframe", "f_back", "f_locals", "currentframe", "getouterframes"}
+
+
+def _frame_readers(source: str, name: str) -> list:
+    """The functions of `source` that read frames (``sys._getframe``, ``inspect.currentframe``/``stack``, a frame's
+    ``f_back``/``f_locals``)."""
     import ast   # pylint: disable=import-outside-toplevel
+    readers = []
+    for function in ast.walk(ast.parse(source)):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = {node.attr for node in ast.walk(function) if isinstance(node, ast.Attribute)}
+            inspect_stack = any(isinstance(node, ast.Attribute) and node.attr == "stack" and
+                                isinstance(node.value, ast.Name) and node.value.id == "inspect"
+                                for node in ast.walk(function))
+            if names & _FRAME_READS or inspect_stack:
+                readers.append(f"{name}::{function.name}")
+    return readers
+
+
+def test_mindspore_no_frame_is_read():
+    """Nothing of the package reads the stack: what is around a cell comes from the root of the compile, walked down
+    (_mindspore.surroundings.around), or from the cell's arguments."""
     package = os.path.dirname(os.path.dirname(surroundings.__file__))
     readers = []
     for folder, _, files in os.walk(package):
-        for file in files:
-            if not file.endswith(".py"):
-                continue
+        for file in (f for f in files if f.endswith(".py")):
             path = os.path.join(folder, file)
-            tree = ast.parse(open(path, encoding="utf-8").read())
-            for function in ast.walk(tree):
-                if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    names = {node.attr for node in ast.walk(function) if isinstance(node, ast.Attribute)}
-                    if names & {"_getframe", "f_back", "currentframe"}:
-                        readers.append(f"{os.path.relpath(path, package)}::{function.name}")
-    assert readers == [os.path.join("_mindspore", "surroundings.py") + "::read_stack"], readers
-    # Control: what the reads found is still found (the cells being called, no jit compile, not under Model).
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    try:
-        dense = nn.Dense(2, 1)
-        seen = []
-
-        class Probe(nn.Cell):
-            def construct(self, x):
-                stack = surroundings.read_stack()
-                seen.append((self in stack.cells, stack.compiling_jit, stack.under_model))
-                return dense(x).sum()
-
-        ms.value_and_grad(Probe(), None, [dense.weight])(Tensor(np.ones((1, 2), np.float32)))
-        assert seen[0] == (True, False, False)
-        assert not graph.compiling_graph()
-    finally:
-        ms.set_context(mode=ms.GRAPH_MODE)
-    assert graph.compiling_graph()
+            readers += _frame_readers(open(path, encoding="utf-8").read(), os.path.relpath(path, package))
+    assert readers == [], readers
+    # Control: the scan finds a frame read where there is one.
+    assert _frame_readers("import sys\ndef look():\n    return sys._getframe(1).f_locals\n", "x") == ["x::look"]

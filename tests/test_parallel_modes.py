@@ -14,6 +14,7 @@ from mindspore.parallel.auto_parallel import AutoParallel
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
 from ms_gradaccum import _parallel_pass as parallel_pass
+from ms_gradaccum._mindspore.parallel import batch_axis_splits
 from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
                      params_of, reference_run, train_steps)
 
@@ -79,24 +80,29 @@ ms.set_context(mode=ms.GRAPH_MODE)
 net = nn.Dense(4, 2)
 step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, nn.MSELoss()), 2), nn.SGD(net.trainable_params()))
 step(Tensor(np.ones((4, 4), np.float32)), Tensor(np.zeros((4, 2), np.float32)))
+def loaded():
+    return ("ms_gradaccum._parallel" in sys.modules or "ms_gradaccum._mindspore.parallel" in sys.modules,
+            "ms_gradaccum._parallel_pass" in sys.modules)
+print("STAND_ALONE", *loaded())
 ms.set_auto_parallel_context(parallel_mode=sys.argv[1])
 GradAccumulationCell(nn.WithLossCell(nn.Dense(4, 2), nn.MSELoss()), 2)
-print("DATA_PARALLEL", "ms_gradaccum._parallel" in sys.modules or "ms_gradaccum._mindspore.parallel" in sys.modules)
-print("LOADED", "ms_gradaccum._parallel_pass" in sys.modules)
+print("BUILT", *loaded())
 """
 
 
 def test_parallel_modes_a_stand_alone_step_never_loads_the_parallel_pass():
     # The semi-auto hand-over sits behind one door (_cell._parallel_pass), data parallel's cross-rank parts behind
-    # another (_cell.data_parallel_module): a stand-alone step reads neither.
+    # another (_cell.data_parallel_module): a stand-alone step reads neither. Control: a cell bound (built) in either
+    # mode loads its own part, and only that.
     def loaded(mode):
         done = subprocess.run([sys.executable, "-c", _STEP_MODULES, mode], capture_output=True, text=True,
                               timeout=300, check=False)
         assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout.split("DATA_PARALLEL ")[-1].split()[0], done.stdout.split("LOADED ")[-1].strip()
-    assert loaded(ms.ParallelMode.DATA_PARALLEL) == ("False", "False")
-    # Control: a cell built under semi-auto parallel loads the hand-over.
-    assert loaded(ms.ParallelMode.SEMI_AUTO_PARALLEL)[1] == "True"
+        lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("STAND", "BUILT")))
+        return lines["STAND_ALONE"], lines["BUILT"]
+    assert loaded(ms.ParallelMode.DATA_PARALLEL) == ("False False", "True False")
+    stand_alone, built = loaded(ms.ParallelMode.SEMI_AUTO_PARALLEL)   # (its hand-over reads _mindspore.parallel too)
+    assert stand_alone == "False False" and built.endswith("True")
 
 
 def test_parallel_modes_data_parallel_parts_are_built_in_that_mode_only(monkeypatch):
@@ -109,6 +115,11 @@ def test_parallel_modes_data_parallel_parts_are_built_in_that_mode_only(monkeypa
     assert not any(name in ("replicas", "token_totals") for name, _ in cell.name_cells().items())
     monkeypatch.setattr(ms, "get_auto_parallel_context", lambda key, real=ms.get_auto_parallel_context: (
         ms.ParallelMode.DATA_PARALLEL if key == "parallel_mode" else real(key)))
+    assert not cell.data_parallel   # bound stand-alone: the compile checks would ask for rebind()
+    with pytest.raises(RuntimeError, match=r"the graph compiles in data_parallel mode, but the cell was bound in "
+                                           r"another mode .* Call cell.rebind\(\) after setting the parallel mode"):
+        cell.check_data_parallel("GradAccumulationCell")
+    cell.rebind()
     assert cell.data_parallel and type(cell.replicas).__name__ == "ReplicaCheck"
     assert type(cell.token_totals).__name__ == "TokenTotals"
     assert {"replicas", "token_totals"} <= set(cell.name_cells())
@@ -140,7 +151,7 @@ def test_parallel_modes_mode_changed_between_model_and_train_is_refused():
     with pytest.raises(RuntimeError, match=r"the train cell around it is MindSpore's _TrainGradAccuStepCell, which "
                                            r"Model builds for semi-auto/auto parallel, but the graph compiles in "
                                            r"stand_alone mode"):
-        _CompilingFrame(model._train_network).compile(cell.check_at_compile)  # pylint: disable=protected-access
+        _bound(cell, model._train_network, cell.check_at_compile)  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("parallel_mode, expected", [("semi_auto", "semi_auto_parallel"),
@@ -198,14 +209,14 @@ def test_parallel_modes_semi_auto_refuses_what_the_pass_cannot_do(kwargs, messag
     cell = GradAccumulationCell(_loss_net(), K, **kwargs)   # built stand-alone, compiled under semi-auto
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
     with pytest.raises(ValueError, match=message):
-        cell.check_at_compile()
+        _bound(cell, nn.TrainOneStepCell(cell, nn.SGD(cell.trainable_params(), 0.1)), cell.check_at_compile)
 
 
 def test_parallel_modes_semi_auto_output_is_mean_loss_with_gradient_of_sum():
     # _TrainGradAccuStepCell multiplies the gradient by 1/micro_size, so the parallel-pass part must return the mean
     # loss (for LossMonitor) whose gradient is that of the SUM. Since semi-auto cannot compile on CPU, the part is
-    # evaluated stand-alone (the markers are inert there).
-    cell = GradAccumulationCell(_loss_net(), K)
+    # evaluated stand-alone (the markers are inert there), the cell built under semi-auto.
+    cell = _built_under_semi_auto()
     reference = _loss_net()
 
     x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
@@ -217,6 +228,14 @@ def test_parallel_modes_semi_auto_output_is_mean_loss_with_gradient_of_sum():
         np.testing.assert_allclose(grad.asnumpy() / K, ref_grad.asnumpy(), rtol=1e-5, atol=1e-7)
 
 
+def _built_under_semi_auto(**kwargs):
+    """A GradAccumulationCell built (and so bound, with its parallel-pass part) under semi-auto, the context reset."""
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.SEMI_AUTO_PARALLEL)
+    cell = GradAccumulationCell(_loss_net(), K, **kwargs)
+    ms.reset_auto_parallel_context()
+    return cell
+
+
 def _part_value_and_grad(cell, *inputs):
     """The parallel-pass part's loss and gradients, evaluated stand-alone in PyNative mode. Stand-alone the markers
     are inert, and the graph the part compiles to there is not the one the parallel pass builds on Ascend/GPU; in
@@ -226,15 +245,10 @@ def _part_value_and_grad(cell, *inputs):
     return ms.value_and_grad(cell.parallel_pass_part, None, cell.trainable_params())(*inputs)
 
 
-class _CompilingFrame(nn.Cell):
-    """Stands in for Cell.compile of a top cell: a Python frame whose `self` holds `wrapper`."""
-
-    def __init__(self, wrapper):
-        super().__init__()
-        self.wrapper = wrapper
-
-    def compile(self, lookup):  # pylint: disable=arguments-differ
-        return lookup()
+def _bound(cell, root, lookup):
+    """`lookup()` after `cell` is bound from `root`'s tree, as a compile of `root` binds it (ms_gradaccum._binding)."""
+    assert cell.bind(root)
+    return lookup()
 
 
 def _semi_auto_fixed_scale_model(scale):
@@ -252,10 +266,10 @@ def test_parallel_modes_semi_auto_fixed_loss_scale_reaches_the_backward():
     scale = 2.0 ** 10
     cell, train_network = _semi_auto_fixed_scale_model(scale)
     assert type(train_network) is _TrainGradAccuStepCell and not train_network.sense_flag
-    assert _CompilingFrame(train_network).compile(lambda: cell.parallel_pass_part.left_out_scale) == scale
+    assert _bound(cell, train_network, lambda: cell.parallel_pass_part.left_out_scale) == scale
     # Any other wrapper applies its own scale: nothing is scaled twice.
     plain = nn.TrainOneStepCell(cell, nn.SGD(cell.trainable_params(), 0.1), sens=scale)
-    assert _CompilingFrame(plain).compile(lambda: cell.parallel_pass_part.left_out_scale) == 1.0
+    assert _bound(cell, plain, lambda: cell.parallel_pass_part.left_out_scale) == 1.0
 
 
 def test_parallel_modes_semi_auto_gradient_carries_the_optimizer_loss_scale():
@@ -266,7 +280,7 @@ def test_parallel_modes_semi_auto_gradient_carries_the_optimizer_loss_scale():
     reference = _loss_net()
     x, y = (Tensor(a) for a in classification_batches(1, 32)[0])
 
-    loss, grads = _CompilingFrame(wrapper).compile(lambda: _part_value_and_grad(cell, x, y))
+    loss, grads = _bound(cell, wrapper, lambda: _part_value_and_grad(cell, x, y))
     ref_loss, ref_grads = ms.value_and_grad(reference, None, reference.trainable_params())(x, y)
     np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy(), rtol=1e-6)
     for grad, ref_grad in zip(grads, ref_grads):   # sum over micro-batches, times the scale
@@ -282,9 +296,9 @@ def test_parallel_modes_dynamic_loss_scale_wrapper_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"AccumulatingTrainOneStepCell\(loss_net, optimizer, 1, "
                                          r"micro_size=micro_size, "
                                          r"scale_sense=manager.get_update_cell\(\)\)"):
-        _CompilingFrame(dynamic).compile(cell.loss_scale.check)
+        _bound(cell, dynamic, cell.loss_scale.check)
     fixed = nn.TrainOneStepWithLossScaleCell(cell, opt, scale_sense=nn.FixedLossScaleUpdateCell(2.0 ** 10))
-    assert _CompilingFrame(fixed).compile(lambda: cell.loss_scale.value) == 2.0 ** 10
+    assert _bound(cell, fixed, lambda: cell.loss_scale.value) == 2.0 ** 10
 
 
 # --- a batch the parallel pass cannot split into equal micro-batches
@@ -298,7 +312,7 @@ def _ragged(rows):
 def test_parallel_modes_ragged_batch_gets_the_package_error_before_mindspore_wrapper():
     # Semi-auto cannot compile on CPU, so the parallel-pass part is compiled stand-alone (one rank): the check runs
     # when its graph compiles, on the same shapes it sees under the pass, before MindSpore's _MicroBatch slices.
-    cell = GradAccumulationCell(_loss_net(), K)
+    cell = _built_under_semi_auto()
     with pytest.raises(ValueError, match=r"For 'GradAccumulationCell', under stand_alone MindSpore's parallel pass "
                                          r"splits every batch into micro_size=4 micro-batches of equal size, so "
                                          r"micro_size must divide each rank's batch, but input 0 \(shape \(29, 16\)\) "
@@ -324,8 +338,7 @@ def test_parallel_modes_ragged_batch_gets_the_package_error_before_mindspore_wra
 def test_parallel_modes_rows_per_rank_follow_how_mindspore_expands_the_inputs(context, splits):
     # Under semi-auto the graph sees every rank's rows together (MindSpore's ToFullShape); each rank slices its own.
     ms.set_auto_parallel_context(**context)
-    cell = GradAccumulationCell(_loss_net(), K)
-    assert cell.parallel_pass_part.batch_splits == splits
+    assert batch_axis_splits() == splits
 
 
 @pytest.mark.parametrize("shapes, splits, message", [

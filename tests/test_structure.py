@@ -13,7 +13,7 @@ from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, IgnoredLabelMean
 from ms_gradaccum._mindspore.patches import GRAPH_COMPILE
-from ms_gradaccum.diagnostics import calls
+from ms_gradaccum import _compile_hook
 from helpers import assert_params_close, assert_params_moved, make_mlp, params_of
 
 K, B = 4, 32
@@ -321,7 +321,7 @@ def test_structure_masked_mean_with_all_ones_on_step_1_stops_on_step_1_everywher
 
 def _no_cell_waits():
     """Cells of earlier tests in this process that never compiled are forgotten: the hook is this test's own."""
-    calls._WAITING.clear()   # pylint: disable=protected-access
+    _compile_hook._WAITING.clear()   # pylint: disable=protected-access
     GRAPH_COMPILE.uninstall()
 
 

@@ -47,11 +47,10 @@ def test_validation_network_without_parameters_rejected():
         GradAccumulationCell(nn.ReLU(), 2)
 
 
-@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE])
-def test_validation_weights_required_where_no_optimizer_is_around(mode):
-    # A functional loop (or a call of the cell itself): nothing says which weights are differentiated, so the cell asks,
-    # with the one-line fix; given, it trains (the negative control of the refusal).
-    ms.set_context(mode=mode)
+def test_validation_weights_required_where_no_optimizer_is_around():
+    # A functional loop (or a call of the cell itself) in graph mode: nothing says which weights are differentiated
+    # (graph mode differentiates a frozen weight it is given), so the cell asks, with the one-line fix; given, it
+    # trains (the negative control of the refusal).
     loss_net = _loss_net()
     weights = list(loss_net.get_parameters())
     frozen = weights[0]
@@ -65,6 +64,21 @@ def test_validation_weights_required_where_no_optimizer_is_around(mode):
     given = GradAccumulationCell(loss_net, 2, weights=weights)
     _, grads = ms.value_and_grad(given, None, weights)(*_data(8))
     assert len(grads) == len(weights) and all(g.asnumpy().any() for g in grads[1:])
+
+
+def test_validation_pynative_follows_requires_grad_as_pynative_does():
+    # PyNative mode differentiates the weights with requires_grad=True only, whatever value_and_grad is given (and
+    # nothing hands the cell its surroundings there): the cell accumulates those, and matches the plain gradient,
+    # the frozen weight's zero included (0.3.0 refused it here as in graph mode, reading the stack).
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    loss_net = _loss_net()
+    weights = list(loss_net.get_parameters())
+    weights[0].requires_grad = False
+    _, expected = ms.value_and_grad(loss_net, None, weights)(*_data(8))
+    _, grads = ms.value_and_grad(GradAccumulationCell(loss_net, 2), None, weights)(*_data(8))
+    assert not expected[0].asnumpy().any() and all(g.asnumpy().any() for g in expected[1:])
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_validation_numpy_integer_micro_size_accepted():

@@ -1,16 +1,15 @@
-"""The cells and the gradient call around a cell: what the package finds when nobody hands it over.
+"""The cells around a cell, found by walking down the cell tree from the root MindSpore compiles; how ``Model`` routes a
+cell by name; the parallel mode; the internals of a Cell the package reads or writes (its own Parameter dict, the
+precision flags, a copy of its own). Checked 2.7.0-2.10.0.
 
-MindSpore keeps no parent pointer, and GraphExecutor does not expose the cell being compiled: the cells around a cell
-are found among the ``self`` of the frames on the stack (Cell.compile's in graph mode, the constructs' in PyNative).
-The stack is walked once per cell and compile (or PyNative call) into one frozen :class:`Surroundings`
-(:func:`discover`). Checked 2.7.0-2.10.0. Also here: how ``Model`` routes a cell by name, the parallel mode, and the
-internals of a Cell the package reads or writes (its own Parameter dict, the precision flags, a copy of its own).
+MindSpore keeps no parent pointer; the graph executor's ``compile`` is handed the root of what it compiles (the train
+cell ``Model`` builds, the user's ``nn.TrainOneStepCell``, or the package cell itself). :func:`around` walks down from
+that root to the cell, once per binding (``_binding``), and describes what it passes in one frozen
+:class:`Surroundings`. Nothing here reads the stack.
 """
 import collections
 import copy
 import dataclasses
-import sys
-import weakref
 from typing import Optional
 
 import mindspore as ms
@@ -18,65 +17,6 @@ from mindspore import nn
 # What Model builds for a routed cell in semi-auto/auto parallel; it applies no loss scale of its own while the
 # optimizer divides by its loss_scale (mindspore/train/amp.py::build_train_network). Named here for _cell and .parallel.
 from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell as TrainGradAccuStepCell  # noqa: F401
-
-_ENCLOSING_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def distinct(items) -> list:
-    """`items` in order, each object once (by identity: Cells and Parameters may define ``==`` otherwise)."""
-    kept = []
-    for item in items:
-        if all(item is not seen for seen in kept):
-            kept.append(item)
-    return kept
-
-
-def _enclosing_cells(cell: nn.Cell, roots: tuple) -> list:
-    """The cells among those being compiled or called (`roots`: the stack's) whose tree holds `cell` (not `cell`
-    itself), innermost first."""
-    cached = _ENCLOSING_CACHE.get(cell)
-    # The same cells on the stack (by identity, not by a reusable id) give the same answer: reuse it.
-    if cached is not None and len(cached[0]) == len(roots) and all(r() is root for r, root in zip(cached[0], roots)):
-        found = [ref() for ref in cached[1]]
-        if all(c is not None for c in found):
-            return found
-    candidates = distinct(candidate for root in roots for _, candidate in root.cells_and_names())
-    found = [candidate for candidate in candidates
-             if candidate is not cell and any(sub is cell for _, sub in candidate.cells_and_names())]
-    found.sort(key=lambda c: len(list(c.cells_and_names())))
-    _ENCLOSING_CACHE[cell] = (tuple(weakref.ref(root) for root in roots), tuple(weakref.ref(c) for c in found))
-    return found
-
-
-@dataclasses.dataclass(frozen=True)
-class Stack:
-    """What the frames on the stack show, read in one walk by :func:`read_stack`, the only function of the package that
-    reads frames: the cells being compiled or called (innermost first), whether a jit function is being compiled, and
-    whether ``Model.train`` runs.
-    """
-    cells: tuple
-    compiling_jit: bool
-    under_model: bool
-
-
-def _is_model_train(code) -> bool:
-    # mindspore/train/model.py's Model._train, checked 2.7.0-2.10.0.
-    return code.co_name == "_train" and code.co_filename.replace("\\", "/").endswith("mindspore/train/model.py")
-
-
-def read_stack() -> Stack:
-    """The stack of the caller, read once (see :class:`Stack`)."""
-    cells, compiling_jit, under_model = [], False, False
-    frame = sys._getframe(1)  # pylint: disable=protected-access
-    while frame is not None:
-        code = frame.f_code
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Cell):
-            cells.append(owner)
-        compiling_jit = compiling_jit or code.co_name == "staging_specialize"   # the jit wrapper compiling its function
-        under_model = under_model or _is_model_train(code)
-        frame = frame.f_back
-    return Stack(tuple(distinct(cells)), compiling_jit, under_model)
 
 
 def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
@@ -96,25 +36,37 @@ def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
 
 @dataclasses.dataclass(frozen=True)
 class Surroundings:
-    """What is around a cell when its graph compiles (every call in PyNative), found by :func:`discover` in one walk."""
+    """What is around a cell in the tree of the root being compiled (:func:`around`); all None where nothing is (the
+    cell is the root, or the root is not known: a jit function's compile, PyNative mode)."""
 
-    train_cell: Optional[nn.TrainOneStepCell]   # the innermost nn.TrainOneStepCell (or subclass) around it
-    optimizer: Optional[nn.Optimizer]           # the optimizer of the innermost cell around it holding one
-    loss_wrapper: Optional[nn.Cell]             # a cell computing a loss of its output (it is that cell's _backbone)
-    under_model: bool                           # whether Model.train is running it
+    train_cell: Optional[nn.TrainOneStepCell] = None   # the innermost nn.TrainOneStepCell (or subclass) around it
+    optimizer: Optional[nn.Optimizer] = None           # the optimizer of the innermost cell around it holding one
+    loss_wrapper: Optional[nn.Cell] = None             # a cell computing a loss of its output (its _backbone)
 
 
-def discover(cell: nn.Cell) -> Surroundings:
-    """The surroundings of `cell`, from one walk of the stack (the package cells walk once per compile:
-    :class:`FoundOnce`)."""
-    stack = read_stack()
-    enclosing = _enclosing_cells(cell, stack.cells)
-    optimizer = _optimizer_of(enclosing)
+def enclosing_cells(cell: nn.Cell, root: nn.Cell) -> Optional[list]:
+    """The cells of `root`'s tree on the way down to `cell` (`root` first, `cell` left out); None where the tree does
+    not hold `cell`. One walk of ``root.cells_and_names()``, whose names are the paths."""
+    path = next((name for name, candidate in root.cells_and_names() if candidate is cell), None)
+    if path is None:
+        return None
+    cells, current = [], root
+    for part in path.split(".") if path else ():
+        cells.append(current)
+        current = current._cells[part]  # pylint: disable=protected-access
+    return cells
+
+
+def around(cell: nn.Cell, root: nn.Cell) -> Optional[Surroundings]:
+    """The surroundings of `cell` in `root`'s tree (None where the tree does not hold it)."""
+    enclosing = enclosing_cells(cell, root)
+    if enclosing is None:
+        return None
+    inner_first = enclosing[::-1]
     return Surroundings(
-        train_cell=next((c for c in enclosing if isinstance(c, nn.TrainOneStepCell)), None),
-        optimizer=optimizer,
-        loss_wrapper=next((c for c in enclosing if child(c, "_backbone") is cell), None),
-        under_model=stack.under_model)
+        train_cell=next((c for c in inner_first if isinstance(c, nn.TrainOneStepCell)), None),
+        optimizer=_optimizer_of(inner_first),
+        loss_wrapper=next((c for c in inner_first if child(c, "_backbone") is cell), None))
 
 
 def _optimizer_of(enclosing: list) -> Optional[nn.Optimizer]:
@@ -123,25 +75,6 @@ def _optimizer_of(enclosing: list) -> Optional[nn.Optimizer]:
         if isinstance(optimizer, nn.Optimizer):
             return optimizer
     return None
-
-
-class FoundOnce:
-    """Mixed into the package cells: their surroundings found once per compile, at its start (``check_at_compile``),
-    and in PyNative mode on the first call only (the stack is not read on every call); whoever needs them reads
-    :func:`surroundings_of` the cell."""
-
-    def find_surroundings(self) -> Surroundings:
-        found = self.__dict__.get("surroundings")
-        if found is None or ms.get_context("mode") != ms.PYNATIVE_MODE:
-            found = discover(self)
-            self.__dict__["surroundings"] = found
-        return found
-
-
-def surroundings_of(owner: nn.Cell) -> Surroundings:
-    """`owner`'s surroundings as its compile found them (:class:`FoundOnce`); found now where it has not compiled."""
-    found = owner.__dict__.get("surroundings")
-    return discover(owner) if found is None else found
 
 
 # --- Routing ----------------------------------------------------------------------------------------------------------
@@ -156,6 +89,12 @@ PARALLEL_PASS_MODES = frozenset({ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.Parallel
 def parallel_mode() -> str:
     """The parallel mode in force (public API)."""
     return ms.get_auto_parallel_context("parallel_mode")
+
+
+def parallel_pass_in_force() -> bool:
+    """Whether MindSpore's semi-auto/auto-parallel pass accumulates (the mode in force now: ``AutoParallel`` sets it
+    only while Model builds its train cell and while the graph compiles): the one definition the package reads."""
+    return parallel_mode() in PARALLEL_PASS_MODES
 
 
 def data_parallel_in_force() -> bool:

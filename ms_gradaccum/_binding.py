@@ -1,0 +1,85 @@
+"""What a package cell trains with, bound once and outside any compile: its surroundings (the train cell, the optimizer
+and a loss wrapper around it, found by walking down the root MindSpore compiles: ``_mindspore.surroundings.around``)
+and, from them, the weights, their buffers, the loss scale's source and the parts a parallel mode needs.
+
+When (nothing else adds, removes or inserts a package cell's Parameters or cells):
+
+- at construction, from its arguments (nothing is around it yet);
+- before each compile the package watches (``_compile_hook``): the first after construction, the first after a train
+  cell is built around it (its ``set_grad``, which ``nn.TrainOneStepCell`` and ``Model`` call) and the first after
+  :meth:`BoundCell.rebind`; from the root of that compile;
+- in PyNative mode, where nothing compiles and nothing hands over a root, on a call whose network trains other weights
+  than those bound (staged fine-tuning): from its arguments.
+
+A graph that compiles otherwise (a ``jit`` function around the cell) uses what was bound last; the compile checks
+(``check_at_compile``) compare what is in force with it and stop with the fix, :meth:`BoundCell.rebind`.
+"""
+from typing import Optional
+
+from mindspore import nn
+
+from ms_gradaccum._compile_hook import expect_compile
+from ms_gradaccum._mindspore.surroundings import Surroundings, around, child
+from ms_gradaccum.diagnostics.calls import compile_error_context, inner_cell, probe_first_call
+
+NOTHING_AROUND = Surroundings()
+
+
+class BoundCell:
+    """Mixed into the package cells (before ``nn.Cell``): :meth:`bind` and when it runs. A cell provides
+    ``_bind(found)`` (what it binds from its `found` surroundings) and may provide ``trainable_now()`` (the weights
+    whose change it follows)."""
+
+    #: The surroundings last bound (nothing around before the first compile, and in PyNative mode).
+    surroundings = NOTHING_AROUND
+    #: ``trainable_now()`` when last bound.
+    bound_trainable = frozenset()
+
+    def _bind(self, found: Surroundings) -> None:
+        raise NotImplementedError
+
+    def trainable_now(self) -> frozenset:
+        """The ids of the weights whose ``requires_grad`` the cell follows (none by default)."""
+        return frozenset()
+
+    def bind(self, root: Optional[nn.Cell] = None) -> bool:
+        """Binds the cell from what surrounds it in `root`'s tree (`root` None: from its arguments alone); False, and
+        nothing bound, where that tree does not hold it. Never while a graph compiles."""
+        found = NOTHING_AROUND if root is None else around(self, root)
+        if found is None:
+            return False
+        self._bind(found)
+        object.__setattr__(self, "surroundings", found)
+        object.__setattr__(self, "bound_trainable", self.trainable_now())
+        return True
+
+    def rebind(self) -> None:
+        """Binds the cell again: now from its arguments, and from the root of its next compile. Call it after changing
+        which weights train (``requires_grad``) or the parallel mode between two trainings of the same cell, where no
+        new train cell or ``Model`` is built around it (those rebind it by themselves, as PyNative mode does); the
+        compile checks name the change where it is missing."""
+        self.bind(None)
+        expect_compile(self)
+
+    def set_grad(self, requires_grad=True):
+        """``nn.Cell.set_grad``; a train cell built around this one calls it (``nn.TrainOneStepCell``, ``Model``): the
+        next compile binds the cell from its root."""
+        result = super().set_grad(requires_grad)
+        if requires_grad and child(self, "engine") is not None:   # built: not during __init__
+            expect_compile(self)
+        return result
+
+    def before_compile(self, root: nn.Cell, args: tuple) -> None:
+        """Before a compile of `root` on `args` (``_compile_hook``): binds from `root`, and where the batch reaches this
+        cell unchanged, runs the loss contract's probe on it."""
+        self.bind(root)
+        if inner_cell(root) is self:
+            probe_first_call(self, args)
+
+    def bind_eagerly(self) -> None:
+        """PyNative mode, before a call: binds from the arguments where the trained weights changed since."""
+        if self.surroundings is not NOTHING_AROUND or self.trainable_now() != self.bound_trainable:
+            self.bind(None)
+
+    def compile_error_context(self, error: Exception, root: nn.Cell, args: tuple):
+        return compile_error_context(self, error, root, args)

@@ -1,0 +1,93 @@
+"""Python the package runs around a compile, and none on a steady call: the package cells' binding and first-call work
+(``before_compile``), before the compile that builds their graph.
+
+GRAPH_MODE: a package cell's graph compiles inside the compile of the cell the user calls (``nn.TrainOneStepCell``,
+the one ``Model`` builds, or the package cell itself), and MindSpore calls nothing of the package on a call. So:
+
+- install: a package cell waits for its next compile (:func:`expect_compile`) when it is built, when a train cell is
+  built around it (its ``set_grad``) and on its ``rebind()``; while any cell waits, the graph executor's ``compile``
+  runs :func:`around_compile` (``_mindspore.patches.GRAPH_COMPILE``);
+- use: before a compile whose root holds a waiting cell in its tree, ``cell.before_compile(root, args)`` (it binds from
+  that root, and runs the loss contract's probe on its first compile); an error of that compile gets the context of
+  the cell whose engine it laid out (``cell.compile_error_context``);
+- undo: after the compile, the cells it held stop waiting; once none waits (or each was dropped before a compile), the
+  executor's ``compile`` is MindSpore's again.
+
+PyNative mode compiles nothing: the cells' own ``__call__`` does that work and stops them waiting.
+"""
+import contextlib
+import weakref
+
+import mindspore as ms
+from mindspore import nn
+
+from ms_gradaccum._mindspore.patches import GRAPH_COMPILE
+from ms_gradaccum._mindspore.surroundings import child, enclosing_cells
+
+# The package cells waiting for their next compile.
+_WAITING: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def waiting() -> list:
+    return list(_WAITING)
+
+
+def _release_if_none_waits() -> None:
+    """Undo: the executor's compile is MindSpore's again once no package cell waits."""
+    if not waiting():
+        GRAPH_COMPILE.uninstall()
+
+
+def expect_compile(owner: nn.Cell) -> None:
+    """`owner` (a package cell) waits for its next compile: the executor's compile is wrapped until then (install), and
+    unwrapped when it compiled or was dropped before (undo)."""
+    if owner in _WAITING:
+        return
+    _WAITING.add(owner)
+    weakref.finalize(owner, _release_if_none_waits)
+    GRAPH_COMPILE.around(around_compile)
+    GRAPH_COMPILE.decorate_errors(_error_context)
+    GRAPH_COMPILE.install()
+
+
+def done_waiting(owner: nn.Cell) -> None:
+    """`owner` needs no hook any more (compiled, or called in PyNative mode, where its own call does the work)."""
+    _WAITING.discard(owner)
+    _release_if_none_waits()
+
+
+def laid_out(owner: nn.Cell) -> bool:
+    """Whether `owner`'s engine was laid out by the compile under way (its record is cleared before it)."""
+    engine = child(owner, "engine")
+    return engine is not None and engine.scaled_loss.record.layout is not None
+
+
+@contextlib.contextmanager
+def around_compile(root: nn.Cell, args: tuple):
+    """Around a compile of `root` on `args` while package cells wait (a GRAPH_COMPILE hook): each waiting cell that
+    `root`'s tree holds is prepared first; once none waits, the hook is removed."""
+    cells = waiting()
+    if not cells or ms.get_context("mode") != ms.GRAPH_MODE:
+        _release_if_none_waits()
+        yield
+        return
+    held = [owner for owner in cells if enclosing_cells(owner, root) is not None]
+    for owner in cells:
+        engine = child(owner, "engine")
+        if engine is not None:
+            engine.scaled_loss.record.layout = None
+    for owner in held:
+        owner.before_compile(root, args)
+    yield
+    for owner in held:
+        _WAITING.discard(owner)
+    _release_if_none_waits()
+
+
+def _error_context(error: Exception, args: tuple):
+    """What to add to an `error` of a compile of ``args[0]`` on ``args[1:]`` that laid out a waiting package cell's
+    engine (a GRAPH_COMPILE decorator)."""
+    built = [owner for owner in waiting() if laid_out(owner)]
+    if not built or not args:
+        return None
+    return built[0].compile_error_context(error, args[0], args[1:])
