@@ -204,8 +204,7 @@ class GradAccumulationCell(ProbedOnFirstCall, BoundCell, DataParallelParts, Spec
         self.loss_scale = scale
         object.__setattr__(self, "_explicit_weights", weights)   # a plain tuple: the weights stay the network's
         self.gradient_buffers = GradientBuffers()
-        self.engine = MicroBatchGradients(network, spec, overwrite=True, targets=self._targets, cls_name=_NAME,
-                                          loss_scale=scale)
+        self.engine = MicroBatchGradients(network, spec, overwrite=True, cls_name=_NAME, loss_scale=scale)
         self.contract = ContractCheck.of(self.engine, network, spec, _NAME)
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
@@ -240,6 +239,7 @@ class GradAccumulationCell(ProbedOnFirstCall, BoundCell, DataParallelParts, Spec
             buffers = self.gradient_buffers.for_weights(weights)
         object.__setattr__(self, "_resolved", (ParameterTuple(weights), buffers))   # not registered: no Cell attribute
         object.__setattr__(self, "targets_key", ",".join(f"{weight.name}#{id(weight)}" for weight in weights))
+        self.engine.bind_targets(weights, buffers)
         self.bind_data_parallel()
         self.loss_scale.bind(found.train_cell)
 

@@ -3,13 +3,12 @@
 Contract: ``engine(inputs, shared, constants, layout, scale, count_unit, key) -> ACCUMULATED``. `inputs`
 is split along axis 0 into ``micro_size`` micro-batches (`shared` and `constants` passed whole, in their places per
 `layout`); each runs forward and backward once on its loss times ``scale * weight`` (the kind's tally; `count_unit`:
-the rows of the largest micro-batch), adding its gradients into the buffers of the owner's weights (:meth:`targets`)
-as the backward produces them. One loop body, so the graph holds one copy of the network per micro-batch shape (two
-for an uneven split). :data:`ACCUMULATED` says what comes back; `key` names the trained weights, so that PyNative
-mode compiles again when they change. The engine knows nothing of the diagnostics (``diagnostics/`` imports it).
+the rows of the largest micro-batch), adding its gradients into the buffers of the owner's weights
+(:meth:`bind_targets`) as the backward produces them. One loop body, so the graph holds one copy of the network per
+micro-batch shape (two for an uneven split). :data:`ACCUMULATED` says what comes back; `key` names the trained weights,
+so that PyNative mode compiles again when they change. The engine knows nothing of the diagnostics (``diagnostics/``
+imports it).
 """
-from typing import Callable
-
 import mindspore as ms
 from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
@@ -176,8 +175,6 @@ class MicroBatchGradients(PrecisionNeutral):
         spec (LossSpec): What the owner was told about the loss (_kinds), its kind among it.
         overwrite (bool): Whether the first micro-batch overwrites the buffers (a fresh sum per batch) instead of
             adding to what they hold (a sum over a window of batches).
-        targets (Callable): Returns ``(weights, buffers)``, the ParameterTuples of the trained weights and their
-            buffers; read when the graph compiles.
         cls_name (str): The public cell, for error messages.
         loss_scale (LossScale): The owner's loss scale (_loss_scale): where it skips non-finite steps, a micro-batch
             with a non-finite loss is left to it (an overflow); elsewhere it stops the step.
@@ -186,7 +183,7 @@ class MicroBatchGradients(PrecisionNeutral):
     differentiate through the loop (which would recompute everything and hold every activation).
     """
 
-    def __init__(self, network: nn.Cell, spec: LossSpec, overwrite: bool, targets: Callable, cls_name: str,
+    def __init__(self, network: nn.Cell, spec: LossSpec, overwrite: bool, cls_name: str,
                  loss_scale: nn.Cell):
         super().__init__(auto_prefix=False)
         micro_size = spec.micro_size
@@ -200,7 +197,6 @@ class MicroBatchGradients(PrecisionNeutral):
         self.kind_setting = spec.kind.setting   # names the kind in the count's messages
         self.overwrite = overwrite
         self.owner_name = cls_name
-        object.__setattr__(self, "_targets", targets)   # a bound method of the owner, not a child cell
         object.__setattr__(self, "_loss_scale", loss_scale)   # the owner's child, read here
 
     def use_kind(self, kind) -> None:
@@ -223,23 +219,16 @@ class MicroBatchGradients(PrecisionNeutral):
         split, shared, constants = partition(inputs, layout)
         return ms.mutable(split), ms.mutable(shared) if shared else shared, constants, layout
 
-    # Both last weight first, as the backward pass produces them: each gradient is added, and freed, as soon as it
-    # exists (docs/measurements.md). Reversed in Python, not by slicing in the graph (a node per weight).
-    @compile_time
-    def weights(self):
-        """The weights whose gradients are accumulated, last first."""
-        return ParameterTuple(self._targets()[0][::-1])
-
-    @compile_time
-    def buffers(self):
-        """Their ``accu_grads`` buffers, last first."""
-        return ParameterTuple(self._targets()[1][::-1])
-
-    @compile_time
-    def adds_with_cast(self) -> bool:
-        """Whether a buffer's dtype differs from its weight's (float32 sums of float16 weights): only then is each
-        gradient cast before it is added."""
-        return not dtypes_match(*self._targets())
+    def bind_targets(self, weights, buffers) -> None:
+        """The weights whose gradients are accumulated and their buffers (as the owner binds them: _binding), kept last
+        first, as the backward pass produces them: each gradient is added, and freed, as soon as it exists
+        (docs/measurements.md); reversed here, not by slicing in the graph (a node per weight). Plain attributes,
+        not registered (the weights are the network's, the buffers the owner's)."""
+        object.__setattr__(self, "weights", ParameterTuple(list(weights)[::-1]))
+        object.__setattr__(self, "buffers", ParameterTuple(list(buffers)[::-1]))
+        # Only where a buffer's dtype differs from its weight's (float32 sums of float16 weights) is each gradient
+        # cast before it is added.
+        object.__setattr__(self, "adds_with_cast", not dtypes_match(weights, buffers))
 
     def _value_and_grads(self, micro, scale, rows, count_unit):
         return ms.value_and_grad(self.scaled_loss, None, self.weights)(micro, scale, rows, count_unit)

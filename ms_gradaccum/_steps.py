@@ -135,8 +135,8 @@ class AccumulatingTrainOneStepCell(ProbedOnFirstCall, BoundCell, DataParallelPar
             done_waiting(network)   # taken apart: it never compiles
         self.gradient_buffers = GradientBuffers(self.buffer_prefix)
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
-        self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, targets=self._targets, cls_name=_NAME,
-                                          loss_scale=scale)
+        self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, cls_name=_NAME, loss_scale=scale)
+        self.engine.bind_targets(self.weights, self.grad_sums)   # the optimizer's parameters, as nn.TrainOneStepCell
         self.contract = ContractCheck.of(self.engine, loss_network, spec, _NAME)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).
         # AdaSum optimizers keep MindSpore's reducer (their own group and degree).

@@ -83,8 +83,8 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
         raise ValueError(f"For '{_PUBLIC}', the argument 'micro_size' must be at least 2, but got {micro_size}: the "
                          f"probe compares micro-batches.")
     spec = recognised(spec, loss_net, True)
-    engine = MicroBatchGradients(loss_net, spec, overwrite=True, targets=lambda: ((), ()), cls_name=_PUBLIC,
-                                 loss_scale=None)
+    engine = MicroBatchGradients(loss_net, spec, overwrite=True, cls_name=_PUBLIC, loss_scale=None)
+    engine.bind_targets((), ())
     found = ContractCheck.of(engine, loss_net, spec, _PUBLIC).probe(engine, inputs, public=True)
     if found is None:
         raise ValueError(
