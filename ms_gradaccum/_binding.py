@@ -16,9 +16,10 @@ A graph that compiles otherwise (a ``jit`` function around the cell) uses what w
 """
 from typing import Optional
 
+import mindspore as ms
 from mindspore import nn
 
-from ms_gradaccum._compile_hook import expect_compile
+from ms_gradaccum._compile_hook import done_waiting, expect_compile
 from ms_gradaccum._mindspore.surroundings import Surroundings, around, child
 from ms_gradaccum.diagnostics.calls import compile_error_context, inner_cell, probe_first_call
 
@@ -32,6 +33,9 @@ class BoundCell:
 
     #: The surroundings last bound (nothing around before the first compile, and in PyNative mode).
     surroundings = NOTHING_AROUND
+    #: True during a PyNative call of the cell (:meth:`__call__`): the compile checks run inside it know that no root
+    #: was handed over.
+    calling_eagerly = False
     #: ``trainable_now()`` when last bound.
     bound_trainable = frozenset()
 
@@ -76,10 +80,22 @@ class BoundCell:
         if inner_cell(root) is self:
             probe_first_call(self, args)
 
-    def bind_eagerly(self) -> None:
-        """PyNative mode, before a call: binds from the arguments where the trained weights changed since."""
+    def __call__(self, *args, **kwargs):
+        """In PyNative mode, where nothing compiles: binds the cell where the trained weights changed (from its
+        arguments: nothing hands over a root), runs the loss contract's probe where it has not run on inputs of that
+        layout (its first call, mostly), and the cell stops waiting for a compile; then the call, with
+        :attr:`calling_eagerly` set. Graph mode: ``nn.Cell.__call__`` alone."""
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            return super().__call__(*args, **kwargs)
         if self.surroundings is not NOTHING_AROUND or self.trainable_now() != self.bound_trainable:
             self.bind(None)
+        probe_first_call(self, args)
+        done_waiting(self)
+        object.__setattr__(self, "calling_eagerly", True)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            object.__setattr__(self, "calling_eagerly", False)
 
     def compile_error_context(self, error: Exception, root: nn.Cell, args: tuple):
         return compile_error_context(self, error, root, args)

@@ -9,7 +9,6 @@ from ms_gradaccum import _buffers, _loss_scale
 from ms_gradaccum._binding import BoundCell
 from ms_gradaccum._buffers import GradientBuffers
 from ms_gradaccum._compile_hook import expect_compile
-from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall
 from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum._engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, run_compile_checks
@@ -122,7 +121,7 @@ def check_bprops(network: nn.Cell, micro_size: int) -> None:
         f"bprop.")
 
 
-class GradAccumulationCell(ProbedOnFirstCall, BoundCell, DataParallelParts, SpecFields, PrecisionNeutral):
+class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNeutral):
     r"""
     Gradient accumulation over micro-batches that trains in every mode, including under ``mindspore.Model``.
 

@@ -14,7 +14,6 @@ from ms_gradaccum._binding import BoundCell
 from ms_gradaccum._cell import DataParallelParts, GradAccumulationCell, data_parallel_module
 from ms_gradaccum._compile_hook import done_waiting, expect_compile
 from ms_gradaccum._mindspore.surroundings import Surroundings
-from ms_gradaccum.diagnostics.calls import ProbedOnFirstCall
 from ms_gradaccum._engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
@@ -31,7 +30,7 @@ _NAME = "AccumulatingTrainOneStepCell"
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)   # what scale_sense may be
 
 
-class AccumulatingTrainOneStepCell(ProbedOnFirstCall, BoundCell, DataParallelParts, SpecFields, nn.TrainOneStepCell):
+class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.TrainOneStepCell):
     r"""
     A drop-in for ``nn.TrainOneStepCell`` that steps the optimizer once every `accumulate_steps` calls, each call's
     batch optionally split into `micro_size` micro-batches.

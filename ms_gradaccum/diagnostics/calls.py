@@ -1,18 +1,16 @@
-"""When the diagnostics run: the loss contract's probe on a package cell's first call (diagnostics.contract), and the
-context added to an error the network raises on a micro-batch while a graph compiles. A steady call runs no package
-Python.
+"""The diagnostics a package cell runs before its first step: the loss contract's probe on its first call
+(diagnostics.contract), and the context added to an error the network raises on a micro-batch while a graph compiles.
+The cells call them (``cells.binding``); a steady call runs no package Python.
 
-GRAPH_MODE: the compile hook (``_compile_hook``) calls the cell's ``before_compile``, which runs
+GRAPH_MODE: the compile hook (``cells.compile_hook``) calls the cell's ``before_compile``, which runs
 :func:`probe_first_call` where the batch reaches the cell being compiled unchanged (the package cell, or
-``nn.TrainOneStepCell``/ ``nn.TrainOneStepWithLossScaleCell`` around it); where it cannot be reached (a train cell of
+``nn.TrainOneStepCell``/``nn.TrainOneStepWithLossScaleCell`` around it); where it cannot be reached (a train cell of
 one's own, a ``jit`` function, sink mode) the graph compares values itself on its first run
-(``contract.ContractCheck.construct``). PyNative mode: the package cells' own ``__call__`` (:class:`ProbedOnFirstCall`)
-runs the probe on the first call, and again when the inputs' layout changes.
+(``contract.ContractCheck.construct``). PyNative mode: the cells' own ``__call__`` runs the probe on the first call,
+and again when the inputs' layout changes.
 """
-import mindspore as ms
 from mindspore import nn
 
-from ms_gradaccum._compile_hook import done_waiting
 from ms_gradaccum._microbatch import check_tensor_inputs
 from ms_gradaccum._mindspore.graph import in_function_gradient
 from ms_gradaccum._mindspore.surroundings import child
@@ -45,24 +43,3 @@ def compile_error_context(owner: nn.Cell, error: Exception, root: nn.Cell, args:
     diagnostics.failures."""
     from ms_gradaccum.diagnostics import failures   # pylint: disable=import-outside-toplevel
     return failures.micro_batch_context(error, inner_cell(root), args, owner)
-
-
-class ProbedOnFirstCall:
-    """Mixed into the package cells (before ``nn.Cell``): in PyNative mode a call binds the cell where needed
-    (``bind_eagerly``) and runs the loss contract's probe where it has not run on inputs of that layout (its first call,
-    mostly); the compile hook is not needed. The call runs with ``calling_eagerly`` set, so that the compile checks run
-    inside it know that no root was handed over."""
-
-    calling_eagerly = False
-
-    def __call__(self, *args, **kwargs):
-        if ms.get_context("mode") != ms.PYNATIVE_MODE:
-            return super().__call__(*args, **kwargs)
-        self.bind_eagerly()
-        probe_first_call(self, args)
-        done_waiting(self)
-        object.__setattr__(self, "calling_eagerly", True)
-        try:
-            return super().__call__(*args, **kwargs)
-        finally:
-            object.__setattr__(self, "calling_eagerly", False)
