@@ -110,7 +110,7 @@ def floor_cell(net, optimizer, micro_size: int):
     or uneven splits: it is exact only for a mean loss on a batch micro_size divides, and only for its first step."""
     import mindspore as ms
     from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
-    from ms_gradaccum._cell import GradientOf, _hand_over
+    from ms_gradaccum.cells.grad_accumulation import GradientOf, _hand_over
 
     weights = ParameterTuple(optimizer.parameters)
     buffers = ParameterTuple([Parameter(ops.zeros_like(w), name="probe." + w.name, requires_grad=False)

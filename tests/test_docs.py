@@ -8,15 +8,16 @@ import sys
 
 import pytest
 
-import ms_gradaccum._cell
-import ms_gradaccum._scheduler
-import ms_gradaccum._steps
+import ms_gradaccum.cells.grad_accumulation
+import ms_gradaccum.cells.scheduler
+import ms_gradaccum.cells.accumulating
 from launch import REPO, msrun, repo_env, suite_device
 
 EXAMPLES = ("one_device", "across_steps", "mixed_precision", "token_loss", "data_parallel", "semi_auto", "check")
 
 
-@pytest.mark.parametrize("module", [ms_gradaccum._cell, ms_gradaccum._steps, ms_gradaccum._scheduler])
+@pytest.mark.parametrize("module", [ms_gradaccum.cells.grad_accumulation, ms_gradaccum.cells.accumulating,
+                                    ms_gradaccum.cells.scheduler])
 def test_docs_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 2 and result.failed == 0, result

@@ -145,7 +145,7 @@ _TABLE = [
 def test_kinds_built_in_tally_and_normalise_are_the_design_table(name, kind, tally, normalised):
     # A bug in a built-in kind's arithmetic fails here, by the kind's name, not only as "your loss does not combine".
     if kind is None:
-        from ms_gradaccum._tokens import CountedMean   # pylint: disable=import-outside-toplevel
+        from ms_gradaccum.core.tokens import CountedMean   # pylint: disable=import-outside-toplevel
         kind = CountedMean(("loss",))
     f32 = lambda v: Tensor(v, mstype.float32)   # noqa: E731
     got = kind.tally(f32(2.0), f32(3.0), 6, f32(8.0), ())

@@ -13,7 +13,7 @@ from mindspore import nn, Tensor
 from mindspore.train import FixedLossScaleManager, Model
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from ms_gradaccum._validation import computes_in_float16
+from ms_gradaccum.core.validation import computes_in_float16
 from helpers import (assert_params_equal, assert_params_moved, assert_same_update, ce, classification_batches,
                      classification_dataset, low_precision_mlp, make_mlp, moved, params_of, reference_run, SCALE,
                      small_loss_train_cell, SmallLoss)

@@ -4,9 +4,9 @@ import mindspore as ms
 import pytest
 from mindspore import Tensor
 
-from ms_gradaccum._buffers import count_unit, divisor, mean_loss
-from ms_gradaccum._kinds import RowMean
-from ms_gradaccum._microbatch import plan
+from ms_gradaccum.core.buffers import count_unit, divisor, mean_loss
+from ms_gradaccum.core.kinds import RowMean
+from ms_gradaccum.core.microbatch import plan
 
 
 def _row_mean_counts(batch, micro_size, unit):

@@ -260,7 +260,7 @@ def test_mindformers_wrapper_refuses_mcore_models_and_takes_the_keys_the_trainer
     # them only for mcore models and beside grouped schedules, which the wrapper refuses.
     model, wrapper = _wrapper(micro_size=2, print_separate_loss=True, lr_scheduler=0.1)
     assert wrapper.micro_size == 2
-    import ms_gradaccum.mindformers as adapter   # pylint: disable=import-outside-toplevel
+    import ms_gradaccum.adapters.mindformers as adapter   # pylint: disable=import-outside-toplevel
     monkeypatch.setattr(adapter, "is_legacy_model", lambda: False)
     with pytest.raises(ValueError, match=r"MindFormers' context has use_legacy: False, but the wrapper takes legacy "
                                          r"models only .* Set use_legacy: True"):
@@ -319,7 +319,7 @@ def test_mindformers_trainer_check_is_undone_by_uninstall():
     # The one change to MindFormers (its trainer's check runs the package's first): installed on import, undone by
     # uninstall() (MindFormers' own method back), installed again idempotently.
     from mindformers.trainer.base_trainer import BaseTrainer   # pylint: disable=import-outside-toplevel
-    from ms_gradaccum.mindformers import TRAINER_CHECK   # pylint: disable=import-outside-toplevel
+    from ms_gradaccum.adapters.mindformers import TRAINER_CHECK   # pylint: disable=import-outside-toplevel
     patched = BaseTrainer._check_grad_accumulation_steps  # pylint: disable=protected-access
     assert TRAINER_CHECK.installed and patched.__qualname__.startswith("TrainerCheck.")
     TRAINER_CHECK.uninstall()

@@ -13,7 +13,7 @@ from mindspore.train.amp import _is_grad_accumulation
 from mindspore.parallel.auto_parallel import AutoParallel
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from ms_gradaccum import _parallel_pass as parallel_pass
+from ms_gradaccum.parallel import parallel_pass as parallel_pass
 from ms_gradaccum._mindspore.parallel import batch_axis_splits
 from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
                      params_of, reference_run, train_steps)
@@ -81,8 +81,8 @@ net = nn.Dense(4, 2)
 step = nn.TrainOneStepCell(GradAccumulationCell(nn.WithLossCell(net, nn.MSELoss()), 2), nn.SGD(net.trainable_params()))
 step(Tensor(np.ones((4, 4), np.float32)), Tensor(np.zeros((4, 2), np.float32)))
 def loaded():
-    return ("ms_gradaccum._parallel" in sys.modules or "ms_gradaccum._mindspore.parallel" in sys.modules,
-            "ms_gradaccum._parallel_pass" in sys.modules)
+    return ("ms_gradaccum.parallel.data_parallel" in sys.modules or "ms_gradaccum._mindspore.parallel" in sys.modules,
+            "ms_gradaccum.parallel.parallel_pass" in sys.modules)
 print("STAND_ALONE", *loaded())
 ms.set_auto_parallel_context(parallel_mode=sys.argv[1])
 GradAccumulationCell(nn.WithLossCell(nn.Dense(4, 2), nn.MSELoss()), 2)
@@ -246,7 +246,8 @@ def _part_value_and_grad(cell, *inputs):
 
 
 def _bound(cell, root, lookup):
-    """`lookup()` after `cell` is bound from `root`'s tree, as a compile of `root` binds it (ms_gradaccum._binding)."""
+    """`lookup()` after `cell` is bound from `root`'s tree, as a compile of `root` binds it
+    (ms_gradaccum.cells.binding)."""
     assert cell.bind(root)
     return lookup()
 

@@ -86,7 +86,7 @@ def test_sample_semi_auto_batches_are_what_the_parallel_pass_accepts(tmp_path):
     # last one, and each rank's batch passes the check GradAccumulationCell runs when the graph compiles (MindSpore
     # shows the graph every rank's rows together: rows x ranks).
     import train    # pylint: disable=import-outside-toplevel
-    from ms_gradaccum._parallel_pass import check_parallel_pass_batch   # pylint: disable=import-outside-toplevel
+    from ms_gradaccum.parallel.parallel_pass import check_parallel_pass_batch   # pylint: disable=import-outside-toplevel
     path = ensure_digits_mnist(str(tmp_path / "digits"))
     micro_size, batch = 4, 32
     for mode, ranks in (("semi_auto_parallel", 8), ("auto_parallel", 1)):

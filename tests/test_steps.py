@@ -1,10 +1,13 @@
 """AccumulatingTrainOneStepCell: k calls with batch b equal one full-batch step with batch k*b."""
+import dataclasses
+
 import numpy as np
 import mindspore as ms
 import pytest
 from mindspore import nn, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
+from ms_gradaccum.cells.accumulating import StepOptions
 from helpers import (assert_params_close, assert_params_equal, assert_params_moved, ce, classification_batches,
                      classification_dataset, make_mlp, make_optimizer, max_abs_diff, params_of, reference_run)
 
@@ -230,7 +233,7 @@ def test_loss_scale_nested_grad_accumulationcell_rejected():
 @pytest.mark.realmodels
 @pytest.mark.parametrize("module, name", [("ms_gradaccum.mindformers", "GradAccumulationWrapper"),
                                           ("ms_gradaccum.mindone", "TrainOneStepWrapper"),
-                                          ("ms_gradaccum.mindone.transformers", "TrainerStep"),
+                                          ("ms_gradaccum.adapters.mindone.transformers", "TrainerStep"),
                                           ("ms_gradaccum.mindcv", "TrainStep"),
                                           ("ms_gradaccum.mindocr", "TrainOneStepWrapper")])
 def test_steps_adapters_use_only_the_public_hooks(module, name):
@@ -246,3 +249,6 @@ def test_steps_adapters_use_only_the_public_hooks(module, name):
     assert private == [], f"{name} defines {private}"
     hooks = {"transform_gradients", "after_optimizer_step", "construct", "transforms_gradients"}
     assert hooks & set(members), f"{name} uses none of the hooks: the check would pass on any class"
+    # Its options are passed in (StepOptions), not set on the class.
+    options = {field.name for field in dataclasses.fields(StepOptions)}
+    assert not options & set(members), f"{name} sets {options & set(members)} on the class"

@@ -13,7 +13,7 @@ from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, IgnoredLabelMean
 from ms_gradaccum._mindspore.patches import GRAPH_COMPILE
-from ms_gradaccum import _compile_hook
+from ms_gradaccum.cells import compile_hook as _compile_hook
 from helpers import assert_params_close, assert_params_moved, make_mlp, params_of
 
 K, B = 4, 32

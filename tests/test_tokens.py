@@ -10,7 +10,7 @@ import pytest
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, check_equivalence, token_sum_loss
-from ms_gradaccum._tokens import CountedMean, token_mean_cells
+from ms_gradaccum.core.tokens import CountedMean, token_mean_cells
 from helpers import (assert_params_close, assert_params_equal, assert_params_moved, ce, classification_batches,
                      make_mlp, make_optimizer, make_token_net, max_abs_diff, params_of, token_batches, TokenLoss,
                      train_steps)

@@ -11,7 +11,7 @@ and again when the inputs' layout changes.
 """
 from mindspore import nn
 
-from ms_gradaccum._microbatch import check_tensor_inputs
+from ms_gradaccum.core.microbatch import check_tensor_inputs
 from ms_gradaccum._mindspore.graph import in_function_gradient
 from ms_gradaccum._mindspore.surroundings import child
 

@@ -9,8 +9,8 @@ import numpy as np
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum._mindspore.graph import eager_mode
-from ms_gradaccum._microbatch import SPLIT, assemble, micro_batch_rows, split_as_compiled
-from ms_gradaccum._validation import is_batch_statistic
+from ms_gradaccum.core.microbatch import SPLIT, assemble, micro_batch_rows, split_as_compiled
+from ms_gradaccum.core.validation import is_batch_statistic
 
 
 @contextlib.contextmanager

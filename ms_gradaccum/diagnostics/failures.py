@@ -15,7 +15,7 @@ from mindspore import nn
 
 from ms_gradaccum._mindspore.graph import traceback_runs_through
 from ms_gradaccum.diagnostics.eager import BatchRows, runs_on
-from ms_gradaccum._microbatch import (SPLIT, input_shapes, micro_batch_rows, plan,
+from ms_gradaccum.core.microbatch import (SPLIT, input_shapes, micro_batch_rows, plan,
                                       split_as_compiled)
 
 

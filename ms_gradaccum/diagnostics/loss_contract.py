@@ -5,12 +5,12 @@ from typing import Optional
 
 from mindspore import nn
 
-from ms_gradaccum._engine import MicroBatchGradients
+from ms_gradaccum.core.engine import MicroBatchGradients
 from ms_gradaccum.diagnostics.contract import ContractCheck
-from ms_gradaccum._kinds import LossKind, LossSpec
-from ms_gradaccum._microbatch import check_tensor_inputs, micro_batch_rows
-from ms_gradaccum._tokens import recognised
-from ms_gradaccum._validation import argument_error, check_cell
+from ms_gradaccum.core.kinds import LossKind, LossSpec
+from ms_gradaccum.core.microbatch import check_tensor_inputs, micro_batch_rows
+from ms_gradaccum.core.tokens import recognised
+from ms_gradaccum.core.validation import argument_error, check_cell
 
 _PUBLIC = "check_loss_contract"
 

@@ -90,9 +90,10 @@ def main(out_dir: str, spec: dict) -> None:
     optimizer = make_optimizer(spec.get("optimizer", "momentum"), model.trainable_params())
     keys = dict(spec.get("keys", {}))
     wrapper = GradAccumulationWrapper
-    if "buffer_prefix" in keys:
-        wrapper = type("GradAccumulationWrapper", (GradAccumulationWrapper,),
-                       {"buffer_prefix": keys.pop("buffer_prefix")})
+    if "buffer_prefix" in keys:   # the control: the wrapper's options with another prefix (this process only)
+        import dataclasses   # pylint: disable=import-outside-toplevel
+        from ms_gradaccum.adapters import mindformers as adapter   # pylint: disable=import-outside-toplevel
+        adapter._OPTIONS = dataclasses.replace(adapter._OPTIONS, buffer_prefix=keys.pop("buffer_prefix"))  # pylint: disable=protected-access
     # TrainingArguments clips at 1.0 by default (use_clip_grad=True): off unless a test asks for it.
     args = dict(output_dir=os.path.join(out_dir, "output"), num_train_epochs=1, logging_steps=1, save_steps=1000,
                 sink_mode=False, use_parallel=parallel, use_clip_grad=False)

@@ -14,9 +14,9 @@ import mindspore as ms
 import mindspore.dataset as ds
 from mindspore import nn
 
-from ms_gradaccum._cell import GradAccumulationCell
+from ms_gradaccum.cells.grad_accumulation import GradAccumulationCell
 from ms_gradaccum._mindspore.randomness import random_primitives
-from ms_gradaccum._validation import batch_norm_cells, check_positive_int
+from ms_gradaccum.core.validation import batch_norm_cells, check_positive_int
 
 _NAME = "check_equivalence"
 

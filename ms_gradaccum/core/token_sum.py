@@ -4,7 +4,7 @@ divides the whole batch's sum by the whole batch's count). The cells use the sam
 from mindspore import nn, ops
 
 from ms_gradaccum._mindspore.surroundings import copy_cell
-from ms_gradaccum._validation import argument_error
+from ms_gradaccum.core.validation import argument_error
 
 _NAME = "token_sum_loss"
 _SUPPORTED = ("mindspore.nn.CrossEntropyLoss or mindspore.nn.NLLLoss with reduction='mean', or MindFormers' "

@@ -7,8 +7,8 @@ from typing import Dict, List
 from mindspore import nn
 from mindspore.train import Callback
 
-from ms_gradaccum._steps import AccumulatingTrainOneStepCell
-from ms_gradaccum._validation import argument_error, check_int
+from ms_gradaccum.cells.accumulating import AccumulatingTrainOneStepCell
+from ms_gradaccum.core.validation import argument_error, check_int
 
 _NAME = "GradAccumulationScheduler"
 

@@ -8,26 +8,43 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum import _buffers
-from ms_gradaccum._buffers import GradientBuffers
-from ms_gradaccum._binding import BoundCell
-from ms_gradaccum._cell import DataParallelParts, GradAccumulationCell, data_parallel_module
-from ms_gradaccum._compile_hook import done_waiting, expect_compile
+from ms_gradaccum.core import buffers as _buffers
+from ms_gradaccum.core.buffers import GradientBuffers
+from ms_gradaccum.cells.binding import BoundCell
+from ms_gradaccum.cells.grad_accumulation import DataParallelParts, GradAccumulationCell, data_parallel_module
+from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
 from ms_gradaccum._mindspore.surroundings import Surroundings
-from ms_gradaccum._engine import MicroBatchGradients, field, warn_where_inexact
+from ms_gradaccum.core.engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force
-from ms_gradaccum._kinds import LossKind, LossSpec, RowMean, SpecFields, declares_kind
-from ms_gradaccum._loss_scale import SCALE_EXPECTED, LiveScale, LossScale, check_scale_value
-from ms_gradaccum._tokens import recognised
-from ms_gradaccum._validation import (argument_error, check_cell, check_has_parameters, check_positive_float,
+from ms_gradaccum.core.kinds import LossKind, LossSpec, RowMean, SpecFields, declares_kind
+from ms_gradaccum.core.loss_scale import SCALE_EXPECTED, LiveScale, LossScale, check_scale_value
+from ms_gradaccum.core.tokens import recognised
+from ms_gradaccum.core.validation import (argument_error, check_cell, check_has_parameters, check_positive_float,
                                       check_positive_int, foreign_optimizer_error)
-from ms_gradaccum._window import StateUnderOptimizer, Window
+from ms_gradaccum.core.window import StateUnderOptimizer, Window
 
 
 _NAME = "AccumulatingTrainOneStepCell"
 SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)   # what scale_sense may be
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How an adapter's train step differs from :class:`AccumulatingTrainOneStepCell`'s own (``ms_gradaccum.adapters``
+    states the contract), passed in as ``options=``."""
+
+    #: The prefix of the buffers' names (checkpoints carry them).
+    buffer_prefix: str = _buffers.GRAD_PREFIX
+    #: The loss-scale update cells `scale_sense` may be (protocol: ``get_loss_scale()``,
+    #: ``construct(scale, overflow) -> overflow``).
+    scale_update_cells: tuple = SCALE_MANAGERS
+    #: Whether an overflowing window's step is skipped (mindone's ``drop_overflow_update=False`` applies it anyway).
+    skips_overflow: bool = True
+    #: Whether the window's state (:meth:`AccumulatingTrainOneStepCell.state`) is registered under the optimizer too,
+    #: for trainers whose resume loads a checkpoint into the model and the optimizer only (MindFormers, mindone).
+    state_under_optimizer: bool = False
 
 
 class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.TrainOneStepCell):
@@ -76,26 +93,21 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
         (False, 0)
     """
 
-    # --- The extension point for adapters (docs/design.md, "Writing an adapter"). A subclass sets these class
-    # attributes and overrides only the public hooks below: transform_gradients, after_optimizer_step (and construct,
-    # calling accumulate, when its outputs differ).
-    #: The prefix of the buffers' names (checkpoints carry them).
-    buffer_prefix = _buffers.GRAD_PREFIX
-    #: The loss-scale update cells `scale_sense` may be (protocol: ``get_loss_scale()``, ``construct(scale, overflow)
-    #: -> overflow``).
-    scale_update_cells = SCALE_MANAGERS
-    #: Whether an overflowing window's step is skipped (mindone's ``drop_overflow_update=False`` applies it anyway).
-    skips_overflow = True
-    #: Whether the window's state (:meth:`state`) is registered under the optimizer too, for trainers whose resume
-    #: loads a checkpoint into the model and the optimizer only (MindFormers, mindone).
-    state_under_optimizer = False
+    # The extension point for adapters (ms_gradaccum.adapters states the contract): `options` passed in, and the public
+    # hooks below overridden: transform_gradients, after_optimizer_step (and construct, calling accumulate, when its
+    # outputs differ).
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int, *,
                  micro_size: Optional[int] = None, per_token_loss: Optional[bool] = None,
                  shared_inputs: Optional[tuple] = None, steps_per_epoch: Optional[int] = None, scale_sense=None,
                  max_grad_norm: Optional[float] = None, reduction: Optional[str] = None,
-                 min_count: Optional[float] = None, check_loss: Optional[bool] = None, kind: Optional[LossKind] = None):
+                 min_count: Optional[float] = None, check_loss: Optional[bool] = None, kind: Optional[LossKind] = None,
+                 options: Optional[StepOptions] = None):
         check_cell(network, "network", _NAME)
+        options = StepOptions() if options is None else options
+        if not isinstance(options, StepOptions):
+            raise TypeError(argument_error(_NAME, "options", "None or an ms_gradaccum.cells.accumulating.StepOptions",
+                                           options))
         if not isinstance(optimizer, nn.Optimizer):
             raise TypeError(argument_error(_NAME, "optimizer", "a mindspore.nn.Optimizer", optimizer))
         accumulate_steps = check_positive_int(accumulate_steps, "accumulate_steps", _NAME)
@@ -106,7 +118,7 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
             steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
         if max_grad_norm is not None:
             max_grad_norm = check_positive_float(max_grad_norm, "max_grad_norm", _NAME, "None or a positive float")
-        scale, manager = scale_of(scale_sense, loss_network, self.scale_update_cells)
+        scale, manager = scale_of(scale_sense, loss_network, options.scale_update_cells)
         check_has_parameters(loss_network, "network", _NAME)
         foreign = foreign_optimizer_error(_NAME, loss_network, optimizer)
         if foreign is not None:
@@ -122,6 +134,9 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
                 f"{optimizer.loss_scale}. Create the optimizer without loss_scale.")
         super().__init__(network, optimizer)
         self.use_spec(spec)
+        self.options = options
+        self.skips_overflow = options.skips_overflow
+        self.state_under_optimizer = options.state_under_optimizer
         self.loss_scale = scale
         self.loss_scaled = scale_sense is not None
         self.loss_scaling_manager = manager
@@ -132,7 +147,7 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
         if isinstance(network, GradAccumulationCell):
             network.gradient_buffers.for_weights([])
             done_waiting(network)   # taken apart: it never compiles
-        self.gradient_buffers = GradientBuffers(self.buffer_prefix)
+        self.gradient_buffers = GradientBuffers(options.buffer_prefix)
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
         self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, cls_name=_NAME, loss_scale=scale)
         self.engine.bind_targets(self.weights, self.grad_sums)   # the optimizer's parameters, as nn.TrainOneStepCell

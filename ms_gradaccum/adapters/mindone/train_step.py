@@ -5,7 +5,7 @@ from typing import Optional
 from mindone.trainers.ema import EMA
 from mindspore import nn
 
-from ms_gradaccum._zoo_step import ZooTrainOneStepWrapper
+from ms_gradaccum.adapters.zoo_step import ZooTrainOneStepWrapper
 
 _NAME = "TrainOneStepWrapper"
 

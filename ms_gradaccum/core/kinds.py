@@ -20,8 +20,8 @@ import mindspore as ms
 from mindspore import ops, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum import _buffers
-from ms_gradaccum._validation import (argument_error, check_bool, check_input_indices, check_min_count,
+from ms_gradaccum.core import buffers as _buffers
+from ms_gradaccum.core.validation import (argument_error, check_bool, check_input_indices, check_min_count,
                                       check_positive_int, check_reduction)
 
 

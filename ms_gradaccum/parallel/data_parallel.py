@@ -15,7 +15,7 @@ from mindspore.communication import get_group_size
 from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._mindspore.parallel import communication_initialized, reducer_all_reduces
 from ms_gradaccum._mindspore.surroundings import data_parallel_in_force
-from ms_gradaccum._base import PrecisionNeutral, Unsaved
+from ms_gradaccum.core.base import PrecisionNeutral, Unsaved
 
 
 def check_data_parallel_ready(cls_name: str) -> None:

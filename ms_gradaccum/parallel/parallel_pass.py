@@ -17,8 +17,8 @@ from mindspore.parallel.nn import GradAccumulation
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.parallel import batch_axis_splits, scale_left_out
 from ms_gradaccum._mindspore.surroundings import parallel_mode
-from ms_gradaccum._base import PrecisionNeutral
-from ms_gradaccum._microbatch import input_shapes
+from ms_gradaccum.core.base import PrecisionNeutral
+from ms_gradaccum.core.microbatch import input_shapes
 
 _NAME = "GradAccumulationCell"
 

@@ -6,9 +6,9 @@ from typing import Optional
 
 from mindspore import nn, ops
 
-from ms_gradaccum._kinds import LossSpec
-from ms_gradaccum._steps import AccumulatingTrainOneStepCell
-from ms_gradaccum._validation import argument_error, check_bool, check_int, check_positive_float, check_positive_int
+from ms_gradaccum.core.kinds import LossSpec
+from ms_gradaccum.cells.accumulating import AccumulatingTrainOneStepCell, StepOptions
+from ms_gradaccum.core.validation import argument_error, check_bool, check_int, check_positive_float, check_positive_int
 
 
 class ZooTrainOneStepWrapper(AccumulatingTrainOneStepCell):
@@ -19,7 +19,6 @@ class ZooTrainOneStepWrapper(AccumulatingTrainOneStepCell):
     zoo_name = "TrainOneStepWrapper"
     ema_types: tuple = ()
     ema_type_name = "an EMA with ema_update()"
-    state_under_optimizer = True   # the zoos' resume loads the network and the optimizer only
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, scale_sense=1.0, ema=None, updates: int = 0,
                  drop_overflow_update: bool = True, gradient_accumulation_steps: int = 1, clip_grad: bool = False,
@@ -52,9 +51,10 @@ class ZooTrainOneStepWrapper(AccumulatingTrainOneStepCell):
         super().__init__(network, optimizer, gradient_accumulation_steps, micro_size=micro_size,
                          per_token_loss=per_token_loss, shared_inputs=shared_inputs, steps_per_epoch=steps_per_epoch,
                          scale_sense=scale_sense, max_grad_norm=clip_norm if clip_grad else None,
-                         check_loss=check_loss)
+                         check_loss=check_loss,
+                         # the zoos' resume loads the network and the optimizer only
+                         options=StepOptions(skips_overflow=drop_overflow_update, state_under_optimizer=True))
         self.ema = ema
-        self.skips_overflow = drop_overflow_update
         self.clip_norm, self.verbose = clip_norm, False
 
     @property

@@ -16,7 +16,7 @@ from ms_gradaccum._mindspore.surroundings import own_parameters
 from ms_gradaccum._mindspore.graph import primexpr
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE
 from ms_gradaccum._mindspore.version import AUGMENTED_ASSIGNMENT_IN_PLACE
-from ms_gradaccum._microbatch import plan
+from ms_gradaccum.core.microbatch import plan
 
 GRAD_PREFIX = "accu_grads"
 _LOW_PRECISION = (mstype.float16, mstype.bfloat16)

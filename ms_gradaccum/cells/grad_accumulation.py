@@ -5,21 +5,22 @@ import mindspore as ms
 from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum import _buffers, _loss_scale
-from ms_gradaccum._binding import BoundCell
-from ms_gradaccum._buffers import GradientBuffers
-from ms_gradaccum._compile_hook import expect_compile
+from ms_gradaccum.core import buffers as _buffers
+from ms_gradaccum.core import loss_scale as _loss_scale
+from ms_gradaccum.cells.binding import BoundCell
+from ms_gradaccum.core.buffers import GradientBuffers
+from ms_gradaccum.cells.compile_hook import expect_compile
 from ms_gradaccum.diagnostics.contract import ContractCheck
-from ms_gradaccum._engine import MicroBatchGradients, field, warn_where_inexact
+from ms_gradaccum.core.engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
 from ms_gradaccum._mindspore.surroundings import (ROUTED_NAMES, Surroundings, TrainGradAccuStepCell, child,
                                                   data_parallel_in_force, parallel_mode, parallel_pass_in_force,
                                                   set_child)
-from ms_gradaccum._base import PrecisionNeutral
-from ms_gradaccum._kinds import LossKind, LossSpec, SpecFields
-from ms_gradaccum._tokens import recognised
-from ms_gradaccum._validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
+from ms_gradaccum.core.base import PrecisionNeutral
+from ms_gradaccum.core.kinds import LossKind, LossSpec, SpecFields
+from ms_gradaccum.core.tokens import recognised
+from ms_gradaccum.core.validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
                                       foreign_optimizer_error, is_batch_statistic, no_trained_weights_error,
                                       weights_required_error)
 
@@ -29,8 +30,8 @@ _NAME = "GradAccumulationCell"
 
 def _parallel_pass():
     """The semi-auto/auto-parallel hand-over (_parallel_pass), imported in those modes only."""
-    from ms_gradaccum import _parallel_pass  # pylint: disable=import-outside-toplevel
-    return _parallel_pass
+    from ms_gradaccum.parallel import parallel_pass  # pylint: disable=import-outside-toplevel
+    return parallel_pass
 
 
 def child_once(owner: nn.Cell, name: str, build) -> nn.Cell:
@@ -45,8 +46,8 @@ def child_once(owner: nn.Cell, name: str, build) -> nn.Cell:
 
 def data_parallel_module():
     """Data parallel's cross-rank parts (_parallel), imported in that mode only: a stand-alone step never reads them."""
-    from ms_gradaccum import _parallel  # pylint: disable=import-outside-toplevel
-    return _parallel
+    from ms_gradaccum.parallel import data_parallel  # pylint: disable=import-outside-toplevel
+    return data_parallel
 
 
 class DataParallelParts:

@@ -9,7 +9,7 @@ import warnings
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._validation import check_positive_int
+from ms_gradaccum.core.validation import check_positive_int
 
 STATE_PREFIX = "accu_state"   # the window's scalar Parameters: accu_state.<name>
 
