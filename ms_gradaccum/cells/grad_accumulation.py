@@ -295,6 +295,12 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         if in_force:
             _parallel_pass().check_parallel_pass_arguments(self.explicit_loss_scale, self.kind, self.shared_inputs)
             return
+        if found.optimizer is None and self._explicit_weights is None:
+            # Batch statistics are state, not weights: no grad call differentiates them.
+            frozen = [param.name for param in self.network.get_parameters() if not param.requires_grad and
+                      not is_batch_statistic(param.name)]
+            if frozen:
+                raise weights_required_error(_NAME, self.network, frozen)
         if self._explicit_weights is None and self.trainable_now() != self.bound_trainable:
             changed = [param.name for param in self.network.get_parameters()
                        if (id(param) in self.bound_trainable) != param.requires_grad]
@@ -303,12 +309,6 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
                 f"{', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}), and this compile is not one the cell "
                 f"rebinds by itself (a new nn.TrainOneStepCell or Model around it, or PyNative mode). Call "
                 f"cell.rebind() after freezing or unfreezing weights, or pass weights= to the cell.")
-        if found.optimizer is None and self._explicit_weights is None:
-            # Batch statistics are state, not weights: no grad call differentiates them.
-            frozen = [param.name for param in self.network.get_parameters() if not param.requires_grad and
-                      not is_batch_statistic(param.name)]
-            if frozen:
-                raise weights_required_error(_NAME, self.network, frozen)
         if not self._trained_weights(found):
             raise foreign_optimizer_error(_NAME, self.network, found.optimizer) or \
                 no_trained_weights_error(_NAME, self.network)
