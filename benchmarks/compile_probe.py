@@ -2,6 +2,7 @@
 
     python benchmarks/compile_probe.py              # lm2 and lm6, 3 repeats each (about 5 min on 2 cores)
     python benchmarks/compile_probe.py --models lm2 --repeats 5
+    python benchmarks/compile_probe.py --before /tmp/old-checkout   # the package of another checkout beside this one
 
 Cell.compile of the training step on the benchmark's language model (batch 16, micro_size 4), in process CPU seconds
 (MindSpore's own threads included; steadier than wall on a shared machine) and, in a second table, wall seconds, each
@@ -10,6 +11,8 @@ configuration in a process of its own, REPEATS times round-robin, the minimum co
 - plain: ``nn.TrainOneStepCell`` on the full batch (the reference);
 - package: ``nn.TrainOneStepCell(GradAccumulationCell(lm, 4))``, with the loss contract's check and with
   ``check_loss=False``;
+- with ``--before PATH``: ``package@before`` and ``package_unchecked@before``, the same cells from the checkout at
+  PATH (its ``ms_gradaccum`` first on the path), in the same round robin;
 - floor: the same structure with nothing but the mechanism, a probe that is not the product: a graph-mode while loop
   over the micro-batches running ``value_and_grad`` and adding the gradients into Parameter buffers in place, inside a
   cell whose bprop returns zeros (opaque to the outer gradient), and the package's ``GradientOf`` handing each buffer
@@ -36,7 +39,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-KINDS = ("plain", "package", "package_unchecked", "floor")
+KINDS = ["plain", "package", "package_unchecked", "floor"]
+BEFORE = "@before"   # a kind of the checkout given with --before
 MICRO_SIZE, BATCH = 4, 16
 
 
@@ -55,7 +59,8 @@ def build(kind: str, model: str):
     if kind == "plain":
         cell = nn.TrainOneStepCell(net, optimizer)
     elif kind.startswith("package"):
-        cell = nn.TrainOneStepCell(GradAccumulationCell(net, MICRO_SIZE, check_loss=kind == "package"), optimizer)
+        checked = kind.split("@")[0] == "package"
+        cell = nn.TrainOneStepCell(GradAccumulationCell(net, MICRO_SIZE, check_loss=checked), optimizer)
     else:
         cell = worker.floor_cell(net, optimizer, MICRO_SIZE)
     return cell, (Tensor(x), Tensor(y))
@@ -115,13 +120,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["lm2", "lm6"], help="lmN: the LM with N layers")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--before", help="a checkout whose package is measured beside this one's")
     args = parser.parse_args(argv)
     env = dict(os.environ, GLOG_v="3", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    envs = {kind: env for kind in KINDS}
+    if args.before:
+        for kind in ("package", "package_unchecked"):
+            KINDS.append(kind + BEFORE)
+            envs[kind + BEFORE] = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [
+                os.path.abspath(args.before), os.environ.get("PYTHONPATH")])))
     best, best_wall, losses = {}, {}, {}
     for _ in range(args.repeats):
         for model in args.models:
             for kind in KINDS:
-                done = run_measure(kind, model, env)
+                done = run_measure(kind, model, envs[kind])
                 found = [line.split() for line in done.stdout.splitlines() if line.startswith("PROBE ")]
                 if done.returncode != 0 or not found:
                     print(f"{model} {kind} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-1500:]}",
@@ -141,7 +153,7 @@ def main(argv=None) -> int:
           "first step's eager check runs, which counts twice in CPU seconds)")
     print("\n" + table_header())
     for model in args.models:
-        sizes = {kind: inferred_size(kind, model, env) for kind in KINDS}
+        sizes = {kind: inferred_size(kind, model, envs[kind]) for kind in KINDS}
         cells = [f"{sizes[kind][0]} / {sizes[kind][1]}" for kind in KINDS]
         print(f"| {model} | {' | '.join(cells)} |")
     print("(the graph after type inference, subgraphs / nodes: the same on every run)")
