@@ -140,8 +140,10 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
     the first call (``check_loss``), whatever the batch holds, and a micro-batch whose loss is not finite while others'
     are stops the step; either stops before any update, with the cause and the route. BatchNorm is warned about (its
     statistics are per micro-batch); random draws (dropout, noise) differ, equal in distribution, and are not. Which
-    weights: `weights`, else those the wrapping train cell differentiates, else those with ``requires_grad=True``, found
-    when the graph compiles. Details: ``docs/design.md``.
+    weights: `weights`, else those the wrapping train cell differentiates, else those with ``requires_grad=True``,
+    bound before the graph compiles from the tree it compiles (PyNative mode: those with ``requires_grad=True``); after
+    freezing or unfreezing weights between two trainings with no new train cell around it, call :meth:`rebind`.
+    Details: ``docs/design.md``.
 
     Args:
         network (Cell): Returns a single-element loss (``()`` or ``(1,)``), e.g. ``nn.WithLossCell(net, loss_fn)``.
