@@ -1,6 +1,6 @@
-"""What the parallel modes read of MindSpore: whether communication is initialised, the gradient reducer's
-collectives (data parallel), and how semi-auto/auto parallel expands the batch axis and leaves the loss scale out.
-Imported by _parallel and _parallel_pass only: a stand-alone step never reads it. Checked 2.7.0-2.10.0.
+"""What the parallel modes read of MindSpore: whether communication is initialised, the gradient reducer's collectives
+(data parallel), and how semi-auto/auto parallel expands the batch axis and leaves the loss scale out. Imported by
+parallel.data_parallel and parallel.parallel_pass only: a stand-alone step never reads it. Checked 2.7.0-2.10.0.
 """
 import mindspore as ms
 from mindspore import nn

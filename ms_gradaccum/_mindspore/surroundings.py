@@ -4,7 +4,7 @@ precision flags, a copy of its own). Checked 2.7.0-2.10.0.
 
 MindSpore keeps no parent pointer; the graph executor's ``compile`` is handed the root of what it compiles (the train
 cell ``Model`` builds, the user's ``nn.TrainOneStepCell``, or the package cell itself). :func:`around` walks down from
-that root to the cell, once per binding (``_binding``), and describes what it passes in one frozen
+that root to the cell, once per binding (``cells.binding``), and describes what it passes in one frozen
 :class:`Surroundings`. Nothing here reads the stack.
 """
 import collections
@@ -15,7 +15,8 @@ from typing import Optional
 import mindspore as ms
 from mindspore import nn
 # What Model builds for a routed cell in semi-auto/auto parallel; it applies no loss scale of its own while the
-# optimizer divides by its loss_scale (mindspore/train/amp.py::build_train_network). Named here for _cell and .parallel.
+# optimizer divides by its loss_scale (mindspore/train/amp.py::build_train_network). Named here for
+# cells.grad_accumulation and .parallel.
 from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell as TrainGradAccuStepCell  # noqa: F401
 
 
@@ -100,7 +101,7 @@ def parallel_pass_in_force() -> bool:
 def data_parallel_in_force() -> bool:
     """Whether data parallel is in force: the one definition the cells and their cross-rank parts read (when a graph
     compiles: the context may be set after a cell is built). Communication must be initialised too, which the cells
-    check first (``_parallel.check_data_parallel_ready``), with a clear error."""
+    check first (``parallel.data_parallel.check_data_parallel_ready``), with a clear error."""
     return parallel_mode() == ms.ParallelMode.DATA_PARALLEL
 
 

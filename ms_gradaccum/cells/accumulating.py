@@ -209,7 +209,7 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
         `stepped` (a scalar that exists once the step is done) made to depend on that work. Default: nothing."""
         return stepped
 
-    # --- binding (_binding) ------------------------------------------------------------------------------------------
+    # --- binding (cells.binding) --------------------------------------------------------------------------------------
 
     def _bind(self, found: Surroundings) -> None:
         """The data-parallel parts (the weights and buffers are the optimizer's, from construction)."""
@@ -229,7 +229,7 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
 
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see
-        _mindspore.graph.CompileChecks. It compares what is in force with what is bound (_binding), and changes
+        _mindspore.graph.CompileChecks. It compares what is in force with what is bound (cells.binding), and changes
         nothing."""
         self.check_data_parallel(_NAME)
         if parallel_pass_in_force():
@@ -283,7 +283,7 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
         """Optimizer step with the window's mean gradient, reduced across devices once; then reset.
 
         Returns whether the window overflowed (its step skipped). The buffers are divided once, in float32, by
-        ``_buffers.divisor`` (the loss scale times the window's count, counted on every device for token losses),
+        ``core.buffers.divisor`` (the loss scale times the window's count, counted on every device for token losses),
         after the all-reduce when it is done in place; overflow is judged on that reduced gradient, so every device
         decides the same; the scale is updated once; clipping and the optimizer run only on a finite gradient. A
         window without a single counted token updates nothing and leaves the scale alone.

@@ -5,8 +5,8 @@ and, from them, the weights, their buffers, the loss scale's source and the part
 When (nothing else adds, removes or inserts a package cell's Parameters or cells):
 
 - at construction, from its arguments (nothing is around it yet);
-- before each compile the package watches (``_compile_hook``): the first after construction, the first after a train
-  cell is built around it (its ``set_grad``, which ``nn.TrainOneStepCell`` and ``Model`` call) and the first after
+- before each compile the package watches (``cells.compile_hook``): the first after construction, the first after a
+  train cell is built around it (its ``set_grad``, which ``nn.TrainOneStepCell`` and ``Model`` call) and the first after
   :meth:`BoundCell.rebind`; from the root of that compile;
 - in PyNative mode, where nothing compiles and nothing hands over a root, on a call whose network trains other weights
   than those bound (staged fine-tuning): from its arguments.
@@ -74,8 +74,8 @@ class BoundCell:
         return result
 
     def before_compile(self, root: nn.Cell, args: tuple) -> None:
-        """Before a compile of `root` on `args` (``_compile_hook``): binds from `root`, and where the batch reaches this
-        cell unchanged, runs the loss contract's probe on it."""
+        """Before a compile of `root` on `args` (``cells.compile_hook``): binds from `root`, and where the batch reaches
+        this cell unchanged, runs the loss contract's probe on it."""
         self.bind(root)
         if inner_cell(root) is self:
             probe_first_call(self, args)

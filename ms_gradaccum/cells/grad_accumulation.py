@@ -29,7 +29,7 @@ _NAME = "GradAccumulationCell"
 
 
 def _parallel_pass():
-    """The semi-auto/auto-parallel hand-over (_parallel_pass), imported in those modes only."""
+    """The semi-auto/auto-parallel hand-over (parallel.parallel_pass), imported in those modes only."""
     from ms_gradaccum.parallel import parallel_pass  # pylint: disable=import-outside-toplevel
     return parallel_pass
 
@@ -45,16 +45,17 @@ def child_once(owner: nn.Cell, name: str, build) -> nn.Cell:
 
 
 def data_parallel_module():
-    """Data parallel's cross-rank parts (_parallel), imported in that mode only: a stand-alone step never reads them."""
+    """Data parallel's cross-rank parts (parallel.data_parallel), imported in that mode only: a stand-alone step never
+    reads them."""
     from ms_gradaccum.parallel import data_parallel  # pylint: disable=import-outside-toplevel
     return data_parallel
 
 
 class DataParallelParts:
     """Mixed into both cells: the start of a step (:meth:`batch_prologue`), and their parts under data parallel
-    (_parallel), built when the cell is bound in that mode: ``replicas``, the first step's check that every rank holds
-    the same weights; ``token_totals``, the sums across ranks. ``data_parallel``: whether data parallel was in force
-    when the cell was bound."""
+    (parallel.data_parallel), built when the cell is bound in that mode: ``replicas``, the first step's check that every
+    rank holds the same weights; ``token_totals``, the sums across ranks. ``data_parallel``: whether data parallel was
+    in force when the cell was bound."""
 
     data_parallel = False
 
@@ -80,7 +81,7 @@ class DataParallelParts:
     def batch_prologue(self, inputs):
         """The start of a step in either cell, in the graph: ``(scale, (split, shared, constants, layout), unit)``: the
         loss scale (under data parallel, with the first step's check that every rank holds the same weights), the
-        inputs as the engine lays them out, and the batch's count unit (its largest micro-batch: _kinds)."""
+        inputs as the engine lays them out, and the batch's count unit (its largest micro-batch: core.kinds)."""
         scale = self.loss_scale()
         if self.data_parallel:
             scale = self.replicas(scale)
@@ -211,10 +212,10 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
         self.compile_checks = CompileChecks(self)
-        self.bind(None)   # the buffers of the weights trained as of now (_binding)
+        self.bind(None)   # the buffers of the weights trained as of now (cells.binding)
         expect_compile(self)
 
-    # --- binding (_binding) ------------------------------------------------------------------------------------------
+    # --- binding (cells.binding) --------------------------------------------------------------------------------------
 
     #: Whether MindSpore's semi-auto/auto-parallel pass accumulates, as bound.
     bound_parallel_pass = False
@@ -274,7 +275,7 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
 
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (every call in PyNative mode): _mindspore.graph.CompileChecks. It
-        compares what is in force with what is bound (_binding), and changes nothing."""
+        compares what is in force with what is bound (cells.binding), and changes nothing."""
         self.check_data_parallel(_NAME)
         if self.calling_eagerly:   # PyNative mode: bound from the arguments for this call (nothing around is known)
             self.loss_scale.check()
@@ -366,7 +367,8 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         # fails on networks with BatchNorm ("Operator 'k_hole' is invalid").
         loss = ops.stop_gradient(loss)
         divisor = ops.stop_gradient(ops.depend(divisor, loss))
-        # Adds zero; its backward hands each weight its buffer, divided and times the sens (one HyperMap, as _buffers).
+        # Adds zero; its backward hands each weight its buffer, divided and times the sens (one HyperMap, as
+        # core.buffers).
         zeros = self.hyper_map(ops.partial(_hand_over, self.gradient_of, divisor), self.engine.weights,
                                self.engine.buffers)
         loss = loss + ops.stack(zeros).sum()

@@ -70,9 +70,9 @@ def record_layout(record: CompileRecord, shapes: tuple, names: tuple, layout: tu
 
 class ScaledLoss(PrecisionNeutral):
     """``(loss * scale * weight, value, count, calls)`` of one micro-batch in float32 scalars, as its loss kind tallies
-    them (_kinds); only the first carries a gradient. The product is taken in float32 (a float16 loss times a large
+    them (core.kinds); only the first carries a gradient. The product is taken in float32 (a float16 loss times a large
     scale cannot overflow); with a factor of 1 the gradients are bit-identical to unscaled ones. Where the kind counts
-    in the network (``_tokens.CountedMean``) the network is its counting copy, and `calls` is how many times its
+    in the network (``core.tokens.CountedMean``) the network is its counting copy, and `calls` is how many times its
     recognised cells ran (1 otherwise)."""
 
     def __init__(self, network: nn.Cell, kind, cls_name: str):
@@ -172,11 +172,11 @@ class MicroBatchGradients(PrecisionNeutral):
 
     Args:
         network (Cell): The loss network.
-        spec (LossSpec): What the owner was told about the loss (_kinds), its kind among it.
+        spec (LossSpec): What the owner was told about the loss (core.kinds), its kind among it.
         overwrite (bool): Whether the first micro-batch overwrites the buffers (a fresh sum per batch) instead of
             adding to what they hold (a sum over a window of batches).
         cls_name (str): The public cell, for error messages.
-        loss_scale (LossScale): The owner's loss scale (_loss_scale): where it skips non-finite steps, a micro-batch
+        loss_scale (LossScale): The owner's loss scale (core.loss_scale): where it skips non-finite steps, a micro-batch
             with a non-finite loss is left to it (an overflow); elsewhere it stops the step.
 
     Its ``bprop`` returns zeros for its inputs, so an outer ``GradOperation`` treats it as opaque and does not
@@ -220,10 +220,10 @@ class MicroBatchGradients(PrecisionNeutral):
         return ms.mutable(split), ms.mutable(shared) if shared else shared, constants, layout
 
     def bind_targets(self, weights, buffers) -> None:
-        """The weights whose gradients are accumulated and their buffers (as the owner binds them: _binding), kept last
-        first, as the backward pass produces them: each gradient is added, and freed, as soon as it exists
-        (docs/measurements.md); reversed here, not by slicing in the graph (a node per weight). Plain attributes,
-        not registered (the weights are the network's, the buffers the owner's)."""
+        """The weights whose gradients are accumulated and their buffers (as the owner binds them: cells.binding), kept
+        last first, as the backward pass produces them: each gradient is added, and freed, as soon as it exists
+        (docs/measurements.md); reversed here, not by slicing in the graph (a node per weight). Plain attributes, not
+        registered (the weights are the network's, the buffers the owner's)."""
         object.__setattr__(self, "weights", ParameterTuple(list(weights)[::-1]))
         object.__setattr__(self, "buffers", ParameterTuple(list(buffers)[::-1]))
         # Only where a buffer's dtype differs from its weight's (float32 sums of float16 weights) is each gradient

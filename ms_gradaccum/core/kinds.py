@@ -5,10 +5,10 @@ on what it declares (``returns_count``, ``checks_counts``, ``counts_in_network``
 Per micro-batch (in the graph, and eagerly for the first call's probe) :meth:`LossKind.tally` returns ``(weight, value,
 count)``: the backward pass runs on ``loss * scale * weight``, so the buffers hold ``scale * sum(weight * gradient)``;
 ``value`` and ``count`` are summed over the batch or window (and over devices where :attr:`sums_across_ranks`), and
-:meth:`LossKind.normalise` turns the sums into the loss and the buffers' divisor (``_buffers.normalise``).
+:meth:`LossKind.normalise` turns the sums into the loss and the buffers' divisor (``core.buffers.normalise``).
 
 Built in (``per_token_loss``, ``reduction`` and ``min_count`` select one): :class:`RowMean`, :class:`RowSum`,
-:class:`TokenMean`; ``_tokens.CountedMean`` where the network holds a loss the cells recognise. A kind of one's own
+:class:`TokenMean`; ``core.tokens.CountedMean`` where the network holds a loss the cells recognise. A kind of one's own
 subclasses :class:`LossKind` (decorated with ``mindspore.jit_class``) and is passed as ``kind=``
 (``tests/test_kinds.py`` writes one). :class:`LossSpec` is what a cell is told about its loss, validated once into one
 frozen object: the kind and how the batch is split.
@@ -37,7 +37,7 @@ class LossKind:
         in_parallel_pass (bool): MindSpore's semi-auto/auto-parallel pass can accumulate it (a row mean only).
         checks_counts (bool): The counts the network returns are checked (finite, >= 0) on every step.
         counts_in_network (bool): The count is what the network's recognised loss cells counted during its forward
-            pass (_tokens), not an output.
+            pass (core.tokens), not an output.
         min_count (float): The floor of the total count a batch or window divides by.
         description (str): What the cell was told the loss is, for messages.
         setting (str): The argument that selects it, for messages.
@@ -63,9 +63,9 @@ class LossKind:
         return Tensor(1.0, mstype.float32)
 
     def normalise(self, scale, value, count, devices_factor, rows, count_unit):
-        """``(loss, divisor)`` from a batch's or window's sums (``_buffers.normalise``); `rows` are its rows (an int
-        or a float32 scalar); `devices_factor` is what ``_parallel.TokenTotals`` gives under data parallel (1
-        elsewhere)."""
+        """``(loss, divisor)`` from a batch's or window's sums (``core.buffers.normalise``); `rows` are its rows (an int
+        or a float32 scalar); `devices_factor` is what ``parallel.data_parallel.TokenTotals`` gives under data parallel
+        (1 elsewhere)."""
         return _buffers.normalise(scale, value, count, devices_factor, self.min_count,
                                   self.rows_factor(count, count_unit, rows))
 
@@ -191,7 +191,7 @@ def arguments_of(kind: LossKind) -> dict:
 def declares_kind(per_token_loss: Optional[bool] = None, reduction: Optional[str] = None,
                   kind: Optional[LossKind] = None, **_) -> bool:
     """Whether arguments given say what the loss is (`kind`, `per_token_loss`, or a `reduction` other than the
-    default): then no loss is recognised in the network, and no token-mean warning is given (_tokens)."""
+    default): then no loss is recognised in the network, and no token-mean warning is given (core.tokens)."""
     return kind is not None or per_token_loss is not None or reduction not in (None, "mean")
 
 

@@ -2,11 +2,11 @@
 
 A loss scale protects float16 gradients only if it multiplies the loss of the backward pass that computes them, and both
 cells run their micro-batch backward passes themselves. The source is chosen when the cell is built
-(:func:`for_grad_accumulation_cell`, ``_steps.scale_of``): a number; a live Parameter (``loss_scale=`` one, or
-``scale_sense``); the fixed ``sens`` of the train cell around a ``GradAccumulationCell`` (``Model`` with a
-``FixedLossScaleManager``), read when the cell is bound (``_binding``); or none (1.0, warned about for float16
-networks). Calling the object gives the float32 scale: ``_engine.ScaledLoss`` applies it, ``_buffers.divisor`` removes
-it.
+(:func:`for_grad_accumulation_cell`, ``cells.accumulating.scale_of``): a number; a live Parameter (``loss_scale=`` one,
+or ``scale_sense``); the fixed ``sens`` of the train cell around a ``GradAccumulationCell`` (``Model`` with a
+``FixedLossScaleManager``), read when the cell is bound (``cells.binding``); or none (1.0, warned about for float16
+networks). Calling the object gives the float32 scale: ``core.engine.ScaledLoss`` applies it, ``core.buffers.divisor``
+removes it.
 """
 import numbers
 import warnings
@@ -61,7 +61,7 @@ class LossScale(PrecisionNeutral):
 
     def bind(self, train_cell: Optional[nn.Cell]) -> None:
         """Takes what it needs of the train cell around the owner (None: none, or not known), when the owner is bound
-        (``_binding``)."""
+        (``cells.binding``)."""
 
     def check(self) -> None:
         """Raises what is wrong with the scale, and warns, when the owner's graph compiles (see

@@ -1,6 +1,6 @@
 """``token_sum_loss``: the ``(loss_sum, count)`` form of a loss that averages over valid tokens (``per_token_loss=True``
 divides the whole batch's sum by the whole batch's count). The cells use the same form for the losses they recognise
-(_tokens)."""
+(core.tokens)."""
 from mindspore import nn, ops
 
 from ms_gradaccum._mindspore.surroundings import copy_cell

@@ -16,7 +16,8 @@ eagerly on rows of that batch with inputs it chooses, and what it finds holds wh
    rows' gradient, rows coupled across the batch (InfoNCE, statistics over the batch: no split reproduces the full
    batch); otherwise the input the loss is normalised through (a mask, sample weights, a count of thresholded targets:
    the ``(loss_sum, count)`` route). Where only the ignored label moved it and a mean over the labels that are not -100
-   holds, the loss is counted that way from then on (``_kinds.IgnoredLabelMean``: exact by construction, every step).
+   holds, the loss is counted that way from then on (``core.kinds.IgnoredLabelMean``: exact by construction, every
+   step).
 2. **Integer inputs only** (:meth:`ContractCheck._integer_probe`; a language model's ids and labels, where no gradient
    reaches a float input): the gradient of the tallied value with respect to the network's last two weights must add
    up over B and A, unchanged, with A's integer labels set to -100 and with A's inputs set to 0 (losses alike at

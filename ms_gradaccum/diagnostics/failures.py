@@ -6,7 +6,7 @@ fails, the micro-batches' rows, micro_size and the fix are added where (1) the f
 eagerly on the first micro-batch (eager.run_eagerly), fails too (on the first two only: the contract check's pass
 failed), while (3) it runs on the whole batch (an error the plain step raises as well keeps MindSpore's message alone);
 where the inputs cannot be reached, the engine's call of the network must appear in MindSpore's traceback (the layout is
-then the one the engine's compile recorded, ``_engine.CompileRecord``). Anything else, and errors at run time, pass
+then the one the engine's compile recorded, ``core.engine.CompileRecord``). Anything else, and errors at run time, pass
 through unchanged. Imported only when a compile fails, or the eager pass fails on micro-batch rows.
 """
 from typing import Optional, Tuple

@@ -106,7 +106,7 @@ class ParallelPassAccumulation(PrecisionNeutral):
     @compile_time
     def left_out_scale(self) -> float:
         """The optimizer's loss_scale when the wrapper never applies it, else 1 (of the train cell around the owner as
-        it was bound: _binding)."""
+        it was bound: cells.binding)."""
         return scale_left_out(self._owner().surroundings.train_cell)
 
     @compile_time
