@@ -243,7 +243,7 @@ def _package_imports() -> dict:
     """``{module: [(imported module, names), ...]}`` of every module of the package, read from its source."""
     import ast            # pylint: disable=import-outside-toplevel
     import pathlib        # pylint: disable=import-outside-toplevel
-    root = pathlib.Path(_buffers.__file__).parent
+    root = pathlib.Path(_buffers.__file__).parent.parent   # ms_gradaccum/ (buffers is in core/)
     found = {}
     for path in sorted(root.rglob("*.py")):
         module = ".".join(("ms_gradaccum",) + path.relative_to(root).with_suffix("").parts).replace(".__init__", "")
@@ -286,7 +286,7 @@ def _foreign_private_uses() -> dict:
     and source (:data:`_INTROSPECTION`), from its source."""
     import ast            # pylint: disable=import-outside-toplevel
     import pathlib        # pylint: disable=import-outside-toplevel
-    root = pathlib.Path(_buffers.__file__).parent
+    root = pathlib.Path(_buffers.__file__).parent.parent   # ms_gradaccum/ (buffers is in core/)
     trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(root.rglob("*.py"))}
     defined = set()
     for tree in trees.values():
@@ -365,7 +365,8 @@ def test_mindspore_surroundings_are_kept_on_the_cell_only():
     # The surroundings a binding found are kept on the package cell and nowhere else: a module-level table of them
     # (even keyed weakly by the cell) kept every compiled cell alive through the train cell it holds.
     import gc   # pylint: disable=import-outside-toplevel
-    from ms_gradaccum import GradAccumulationCell, _binding   # pylint: disable=import-outside-toplevel
+    from ms_gradaccum import GradAccumulationCell   # pylint: disable=import-outside-toplevel
+    from ms_gradaccum.cells import binding as _binding   # pylint: disable=import-outside-toplevel
     from helpers import ce, classification_batches, make_mlp, make_optimizer   # pylint: disable=import-outside-toplevel
     net = make_mlp()
     cell = GradAccumulationCell(nn.WithLossCell(net, ce()), 4)
@@ -390,7 +391,7 @@ def test_mindspore_binding_runs_once_per_compile_and_never_on_a_steady_call(monk
     # root and keeps what construction bound while the trained weights stay. A steady call binds nothing (0.3.0 read
     # the stack once per compile or first PyNative call, and 17 times per compile before that).
     from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # pylint: disable=import-outside-toplevel
-    from ms_gradaccum import _binding   # pylint: disable=import-outside-toplevel
+    from ms_gradaccum.cells import binding as _binding   # pylint: disable=import-outside-toplevel
     from helpers import ce, classification_batches, make_mlp, make_optimizer   # pylint: disable=import-outside-toplevel
     binds = []
     bind = _binding.BoundCell.bind
@@ -455,3 +456,59 @@ def test_mindspore_no_frame_is_read():
     assert readers == [], readers
     # Control: the scan finds a frame read where there is one.
     assert _frame_readers("import sys\ndef look():\n    return sys._getframe(1).f_locals\n", "x") == ["x::look"]
+
+
+def _foreign_dict_writes(source: str, name: str) -> list:
+    """The places in `source` that write into another object's ``__dict__``: a store or delete through
+    ``x.__dict__[...]`` or ``vars(x)[...]``, ``x.__dict__.update/pop/setdefault/clear(...)``, and
+    ``object.__setattr__``/``setattr``/``object.__delattr__``/``delattr`` on anything but ``self``."""
+    import ast   # pylint: disable=import-outside-toplevel
+    found = []
+
+    def through_dict(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "__dict__") or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars")
+
+    def is_self(node) -> bool:
+        return isinstance(node, ast.Name) and node.id == "self"
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)) and through_dict(node.value):
+            if not (isinstance(node.value, ast.Attribute) and is_self(node.value.value)):
+                found.append(f"{name}:{node.lineno}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            func = node.func
+            if func.attr in ("update", "pop", "setdefault", "clear") and through_dict(func.value) and not (
+                    isinstance(func.value, ast.Attribute) and is_self(func.value.value)):
+                found.append(f"{name}:{node.lineno}")
+            elif func.attr in ("__setattr__", "__delattr__") and isinstance(func.value, ast.Name) and \
+                    func.value.id == "object" and node.args and not is_self(node.args[0]):
+                found.append(f"{name}:{node.lineno}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args and not is_self(node.args[0]):
+            found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_mindspore_nothing_outside_the_adapters_writes_into_another_objects_dict():
+    """A foreign object (a user's cell, a train cell, a MindSpore object) is written through its ``__dict__`` only by
+    ms_gradaccum._mindspore, which puts back what it changes (a cell's plain state after an eager pass, the random
+    primitives during the probe); elsewhere the package writes only its own objects, through their attributes."""
+    package = os.path.dirname(os.path.dirname(surroundings.__file__))
+    found = []
+    for folder, _, files in os.walk(package):
+        if os.path.basename(folder) == "_mindspore":
+            continue
+        for file in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, file)
+            found += _foreign_dict_writes(open(path, encoding="utf-8").read(), os.path.relpath(path, package))
+    assert found == [], found
+    # Control: the scan finds such writes where they are.
+    sample = ("def f(cell, self):\n    cell.__dict__['a'] = 1\n    del vars(cell)['b']\n    cell.__dict__.update({})\n"
+              "    object.__setattr__(cell, 'c', 1)\n    setattr(cell, 'd', 1)\n    self.__dict__['e'] = 1\n"
+              "    object.__setattr__(self, 'f', 1)\n")
+    assert _foreign_dict_writes(sample, "x") == ["x:2", "x:3", "x:4", "x:5", "x:6"]
+    adapters = os.path.join(package, "_mindspore")
+    inside = [hit for file in sorted(os.listdir(adapters)) if file.endswith(".py")
+              for hit in _foreign_dict_writes(open(os.path.join(adapters, file), encoding="utf-8").read(), file)]
+    assert inside, "the scan sees the adapters' own writes (surroundings.copy_cell, randomness.HeldDraws)"

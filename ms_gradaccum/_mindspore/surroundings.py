@@ -8,6 +8,7 @@ that root to the cell, once per binding (``cells.binding``), and describes what 
 :class:`Surroundings`. Nothing here reads the stack.
 """
 import collections
+import contextlib
 import copy
 import dataclasses
 from typing import Optional
@@ -154,3 +155,32 @@ def with_child_replaced(root: nn.Cell, path: str, child: nn.Cell) -> nn.Cell:
     inner = root._cells[head]  # pylint: disable=protected-access
     new._cells[head] = with_child_replaced(inner, rest, child) if rest else child  # pylint: disable=protected-access
     return new
+
+
+# What nn.Cell itself keeps in a cell's __dict__ (its bookkeeping, which an eager call updates as any call does).
+_CELL_BOOKKEEPING = frozenset(vars(nn.Cell()))
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_state(cell: nn.Cell) -> dict:
+    """The plain attributes a cell keeps of its own (not nn.Cell's bookkeeping)."""
+    return {key: value for key, value in vars(cell).items()
+            if key not in _CELL_BOOKKEEPING and isinstance(value, _PLAIN)}
+
+
+@contextlib.contextmanager
+def call_state_kept(network: nn.Cell):
+    """Puts back the plain attributes that cells with a ``__call__`` of their own set while the pass called them: the
+    graph then compiles the network as it would have without the pass. ``nn.MultiheadAttention.__call__`` records
+    whether its key is its value and its query its key (graph mode cannot test ``is``), and its ``construct`` then
+    takes the branch for the last call: a module called for cross- and then self-attention would compile both calls
+    as self-attention."""
+    kept = [(cell, _plain_state(cell)) for _, cell in network.cells_and_names()
+            if type(cell).__call__ is not nn.Cell.__call__]
+    try:
+        yield
+    finally:
+        for cell, attributes in kept:
+            for key in _plain_state(cell).keys() - attributes.keys():
+                del cell.__dict__[key]
+            cell.__dict__.update(attributes)

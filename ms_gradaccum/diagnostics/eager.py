@@ -9,6 +9,7 @@ import numpy as np
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum._mindspore.graph import eager_mode
+from ms_gradaccum._mindspore.surroundings import call_state_kept
 from ms_gradaccum.core.microbatch import SPLIT, assemble, micro_batch_rows, split_as_compiled
 from ms_gradaccum.core.validation import is_batch_statistic
 
@@ -50,35 +51,6 @@ def moving_statistics_kept(network: nn.Cell):
     finally:
         for param, value in kept:
             ops.assign(param, value)
-
-
-# What nn.Cell itself keeps in a cell's __dict__ (its bookkeeping, which an eager call updates as any call does).
-_CELL_BOOKKEEPING = frozenset(vars(nn.Cell()))
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _plain_state(cell: nn.Cell) -> dict:
-    """The plain attributes a cell keeps of its own (not nn.Cell's bookkeeping)."""
-    return {key: value for key, value in vars(cell).items()
-            if key not in _CELL_BOOKKEEPING and isinstance(value, _PLAIN)}
-
-
-@contextlib.contextmanager
-def call_state_kept(network: nn.Cell):
-    """Puts back the plain attributes that cells with a ``__call__`` of their own set while the pass called them: the
-    graph then compiles the network as it would have without the pass. ``nn.MultiheadAttention.__call__`` records
-    whether its key is its value and its query its key (graph mode cannot test ``is``), and its ``construct`` then
-    takes the branch for the last call: a module called for cross- and then self-attention would compile both calls
-    as self-attention."""
-    kept = [(cell, _plain_state(cell)) for _, cell in network.cells_and_names()
-            if type(cell).__call__ is not nn.Cell.__call__]
-    try:
-        yield
-    finally:
-        for cell, attributes in kept:
-            for key in _plain_state(cell).keys() - attributes.keys():
-                del cell.__dict__[key]
-            cell.__dict__.update(attributes)
 
 
 class BatchRows:
@@ -132,20 +104,15 @@ def run_eagerly(network: nn.Cell, calls: list, before_each=None) -> list:
     unless `network` takes one itself, as the probe's ``WeightedGradients``), each output read at once (PyNative runs
     asynchronously: an error surfaces when a result is read). BatchNorm's moving statistics and what cells' own
     ``__call__`` set are put back after, so the passes leave the network as they found it. `before_each`, if given, is
-    called before each call (``HeldDraws.repeat``). An error raised by a call carries that call's index as
-    ``eager_call``."""
+    called before each call (``HeldDraws.repeat``)."""
     outputs = []
     with eager_mode(), moving_statistics_kept(network), call_state_kept(network):
-        for index, args in enumerate(calls):
-            try:
-                if before_each is not None:
-                    before_each()
-                out = network(*args)
-                for item in out if isinstance(out, (tuple, list)) else (out,):
-                    if hasattr(item, "asnumpy"):
-                        item.asnumpy()
-            except Exception as error:
-                error.eager_call = index
-                raise
+        for args in calls:
+            if before_each is not None:
+                before_each()
+            out = network(*args)
+            for item in out if isinstance(out, (tuple, list)) else (out,):
+                if hasattr(item, "asnumpy"):
+                    item.asnumpy()
             outputs.append(out)
     return outputs
