@@ -24,7 +24,9 @@ class CompileChecks:
 
     Exceptions raised inside a :class:`compile_time` attribute are swallowed by the graph parser, which reports the
     attribute as missing ("object has no attribute"); a ``_primexpr`` receives this plain Python object and its
-    exceptions reach the user unchanged. Called first in ``construct``, it runs before the attributes are read.
+    exceptions reach the user unchanged. The parser may read attributes of the cell before it evaluates this call
+    (it resolves them as it meets them), so no attribute the graph reads raises or changes anything: the values are
+    bound before the compile (``cells.binding``), and these checks only compare and raise.
     """
 
     def __init__(self, owner: nn.Cell):
@@ -56,8 +58,10 @@ class compile_time:  # pylint: disable=invalid-name
 
     MindSpore's graph parser compiles a ``property``'s body as graph code, but reads any other descriptor through
     Python's ``getattr`` (checked in 2.10.0): ``self.x`` in ``construct`` is evaluated in Python when the graph
-    compiles, so settings made after the cell was built (freezing, a wrapping train cell, the parallel mode) are seen.
-    The method must not raise (the parser would report a missing attribute): errors go through :class:`CompileChecks`.
+    compiles. For what is only known then (the communication set up, the parallel context's batch axis, whether the
+    loss contract's probe ran); a value known when the cell is built or bound is a plain attribute instead. The method
+    reads, never creates or changes anything, and must not raise (the parser would report a missing attribute):
+    errors go through :class:`CompileChecks`.
     """
 
     def __init__(self, method):

@@ -195,8 +195,6 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         check_has_parameters(network, "network", _NAME)
         weights = check_weights(weights, network, _NAME)
         scale = _loss_scale.for_grad_accumulation_cell(loss_scale, network, _NAME)
-        if parallel_pass_in_force():
-            _parallel_pass().check_parallel_pass_arguments(loss_scale is not None, spec.kind, spec.shared_inputs)
         warn_where_inexact(network, _NAME, [f"micro_size={spec.micro_size} micro-batches"]
                            if spec.micro_size > 1 else [])
         spec = recognised(spec, network, spec.micro_size > 1)
@@ -232,7 +230,8 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         # while Model builds it and while the graph compiles: that train cell around it says so too.
         parallel_pass = parallel_pass_in_force() or isinstance(found.train_cell, TrainGradAccuStepCell)
         object.__setattr__(self, "bound_parallel_pass", parallel_pass)
-        if parallel_pass:
+        if parallel_pass:   # what the pass cannot do is refused here, before any compile
+            _parallel_pass().check_parallel_pass_arguments(self.explicit_loss_scale, self.kind, self.shared_inputs)
             child_once(self, "parallel_pass_part", lambda: _parallel_pass().ParallelPassAccumulation(
                 self.network, self.micro_size, self))
             # _TrainGradAccuStepCell makes accu_grads.<weight> buffers of its own: ours would clash by name.
@@ -295,8 +294,7 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
                 f"{'semi-auto/auto parallel' if self.bound_parallel_pass else 'stand-alone or data parallel'} (the "
                 f"parallel mode changed between its last binding and this compile, with no new train cell built "
                 f"around it). Call cell.rebind() after setting the parallel mode.")
-        if in_force:
-            _parallel_pass().check_parallel_pass_arguments(self.explicit_loss_scale, self.kind, self.shared_inputs)
+        if in_force:   # its arguments were checked when it was bound for the pass
             return
         if found.optimizer is None and self._explicit_weights is None:
             # Batch statistics are state, not weights: no grad call differentiates them.

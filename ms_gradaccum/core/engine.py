@@ -79,20 +79,14 @@ class ScaledLoss(PrecisionNeutral):
         super().__init__(auto_prefix=False)
         counter = TokenCounter() if kind.counts_in_network else None
         self.loss_of_inputs = TupleInputs(network if counter is None else counting_view(network, kind, counter))
-        object.__setattr__(self, "_counter", counter)
+        # The counter's Parameters, plain attributes (held outside every cell tree: not in checkpoints).
+        object.__setattr__(self, "counted", None if counter is None else counter.count)
+        object.__setattr__(self, "counted_calls", None if counter is None else counter.calls)
         self.counts_in_network = counter is not None
         self.kind = kind
         self.returns_count = kind.returns_count
         self.owner_name = cls_name
         self.record = CompileRecord()
-
-    @compile_time
-    def counted(self):
-        return self._counter.count
-
-    @compile_time
-    def counted_calls(self):
-        return self._counter.calls
 
     def loss_and_count(self, inputs, rows):
         """``(loss, count, calls)`` of the network on `inputs` (`rows` of them): its loss as a float32 scalar, and its
@@ -133,6 +127,11 @@ class ScaledLoss(PrecisionNeutral):
         factor = ops.stop_gradient(scale * weight)
         return scalar * factor, ops.stop_gradient(value), ops.stop_gradient(count), ops.stop_gradient(calls)
 
+
+# Why a micro-batch's loss is not finite where the whole batch's is: said by the engine's check and by
+# check_loss_contract (diagnostics.loss_contract), each with the fix in its own arguments' terms.
+NON_FINITE_CAUSE = ("A loss normalised by a count taken over its own rows is 0/0 on a micro-batch without a single "
+                    "valid row or token (a masked mean (loss * mask).sum() / mask.sum())")
 
 # What the engine returns for a batch, one tuple of float32 Tensors in this order, written here only and read by name
 # (`field`): the sum of the micro-batches' tallied values (the kind's) and of their counts; zeros of the network's
@@ -304,9 +303,8 @@ class MicroBatchGradients(PrecisionNeutral):
                     f"For '{self.owner_name}', micro-batch {ops.cast(bad, mstype.int32)} (rows "
                     f"{ops.cast(first_row, mstype.int32)} to {ops.cast(last_row, mstype.int32)} of the batch of "
                     f"{batch}, micro_size={self.micro_size}) returned a non-finite loss or count (nan or inf), while "
-                    f"other micro-batches returned finite ones: the step is stopped before any weight changes. A loss "
-                    f"normalised by a count taken over its own rows is 0/0 on a micro-batch without a single valid row "
-                    f"or token (a masked mean (loss * mask).sum() / mask.sum()); where the whole batch's is finite, "
+                    f"other micro-batches returned finite ones: the step is stopped before any weight changes. "
+                    f"{NON_FINITE_CAUSE}; where the whole batch's is finite, "
                     f"return (loss_sum, count) from the network and pass per_token_loss=True: the cell then divides "
                     f"the whole batch's sum by the whole batch's count (ms_gradaccum.token_sum_loss does this for "
                     f"nn.CrossEntropyLoss and nn.NLLLoss).")

@@ -255,11 +255,10 @@ class SpecFields:
     def use_spec(self, spec: LossSpec) -> None:
         """Holds `spec` and its fields: ``micro_size`` (micro-batches per batch), ``kind`` (the loss kind),
         ``shared_inputs`` (the inputs every micro-batch receives whole), ``per_token_loss``, ``reduction`` and
-        ``min_count`` (the kind's public arguments), ``check_loss`` (whether the loss contract is probed)."""
+        ``min_count`` (the kind's public arguments)."""
         for name, value in (("spec", spec), ("micro_size", spec.micro_size), ("kind", spec.kind),
                             ("shared_inputs", spec.shared_inputs), ("per_token_loss", spec.per_token_loss),
-                            ("reduction", spec.reduction), ("min_count", spec.min_count),
-                            ("check_loss", spec.check_loss)):
+                            ("reduction", spec.reduction), ("min_count", spec.min_count)):
             object.__setattr__(self, name, value)
 
     def use_kind(self, kind: LossKind) -> None:

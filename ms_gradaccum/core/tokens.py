@@ -18,7 +18,6 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum.core.kinds import LossKind, LossSpec
-from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, with_child_replaced
 from ms_gradaccum.core.token_sum import is_token_mean, token_sum_loss
 
@@ -65,8 +64,8 @@ def recognised(spec: LossSpec, network: nn.Cell, accumulates: bool) -> LossSpec:
 
 class TokenCounter:
     """What the recognised cells counted during one forward pass, and how many times they were called: two float32
-    Parameters held outside every cell tree (``accu_state.*``, not in checkpoints), read in graphs through
-    :class:`compile_time` attributes."""
+    Parameters held outside every cell tree (``accu_state.*``, not in checkpoints), plain attributes of the cells that
+    read them in graphs."""
 
     def __init__(self):
         self.count = Parameter(Tensor(0.0, mstype.float32), name="accu_state.token_count", requires_grad=False)
@@ -82,15 +81,8 @@ class CountingLoss(nn.Cell):
     def __init__(self, cell: nn.Cell, counter: TokenCounter):
         super().__init__(auto_prefix=False)
         self.summed = token_sum_loss(cell)
-        object.__setattr__(self, "_counter", counter)
-
-    @compile_time
-    def counted(self) -> Parameter:
-        return self._counter.count
-
-    @compile_time
-    def calls(self) -> Parameter:
-        return self._counter.calls
+        object.__setattr__(self, "counted", counter.count)   # plain attributes: the counter is held outside the tree
+        object.__setattr__(self, "calls", counter.calls)
 
     def construct(self, *args):
         loss_sum, count = self.summed(*args)

@@ -210,6 +210,7 @@ class ContractCheck(PrecisionNeutral):
                  declared: bool = False):
         super().__init__(auto_prefix=False)
         object.__setattr__(self, "_scaled_loss", scaled_loss)   # the engine's own cell: not a second child
+        object.__setattr__(self, "scaled_loss_cell", scaled_loss)   # (read by the graph, not registered)
         self.micro_size = micro_size
         self.kind = kind
         self.enabled = enabled
@@ -220,6 +221,7 @@ class ContractCheck(PrecisionNeutral):
         # Whether the graph's own comparison has run (0: not yet).
         self._graph_runs = Unsaved(Parameter(Tensor(0, mstype.int32), name="accu_state.loss_contract_step",
                                              requires_grad=False))
+        object.__setattr__(self, "graph_runs", self._graph_runs.parameter)   # read by the graph, not registered
         # Python state. `probed`: the probe ran (graphs compiled later leave the in-graph comparison out), on inputs of
         # `layout` (dtypes and ranks). `failed`: the probe cannot run eagerly (the graph compares instead).
         self.probed = False
@@ -250,10 +252,6 @@ class ContractCheck(PrecisionNeutral):
     def _network(self) -> nn.Cell:
         """The network the engine runs (a recognised loss's counting copy, where it counts)."""
         return self._scaled_loss.loss_of_inputs.network
-
-    @compile_time
-    def graph_runs(self) -> Parameter:
-        return self._graph_runs.parameter
 
     @compile_time
     def in_graph(self) -> bool:
@@ -790,6 +788,4 @@ class ContractCheck(PrecisionNeutral):
                     after = ops.depend(after, self._compare(out[1], out[2], pair_value, pair_count, count_unit, rows))
         return after
 
-    @compile_time
-    def scaled_loss_cell(self) -> nn.Cell:
-        return self._scaled_loss
+

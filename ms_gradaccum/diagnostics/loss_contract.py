@@ -5,7 +5,7 @@ from typing import Optional
 
 from mindspore import nn
 
-from ms_gradaccum.core.engine import MicroBatchGradients
+from ms_gradaccum.core.engine import NON_FINITE_CAUSE, MicroBatchGradients
 from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum.core.kinds import LossKind, LossSpec
 from ms_gradaccum.core.microbatch import check_tensor_inputs, micro_batch_rows
@@ -97,8 +97,7 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
         raise ValueError(
             f"For '{_PUBLIC}', micro-batch {found.not_finite} (rows {first} to {first + rows[found.not_finite] - 1}) "
             f"returned a non-finite loss or count (nan or inf): the cells stop such a step before any weight changes. "
-            f"A loss normalised by a count taken over its own rows is 0/0 on a micro-batch without a valid row or "
-            f"token: return (loss_sum, count) from the network and pass kind=ms_gradaccum.TokenMean().")
+            f"{NON_FINITE_CAUSE}: return (loss_sum, count) from the network and pass kind=ms_gradaccum.TokenMean().")
     return LossContractReport(found.kind, tuple(rows), found.separable,
                               found.probed_inputs, found.ignore_labels, found.random, found.rows_compared,
                               found.measured, found.predicted)
