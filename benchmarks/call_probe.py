@@ -21,8 +21,8 @@ PACKAGE = os.path.join(os.path.dirname(HERE), "ms_gradaccum")
 
 
 class Calls:
-    """The package functions entered while it is active (a set of ``module:function``), and how often a frame was
-    read (``sys._getframe``)."""
+    """The package functions entered while it is active (a set of ``module:function``), and how often the package read
+    a frame (``sys._getframe``)."""
 
     def __init__(self):
         self.functions, self.calls, self.frame_reads = set(), 0, 0
@@ -33,7 +33,8 @@ class Calls:
                 name = os.path.relpath(frame.f_code.co_filename, PACKAGE)
                 self.functions.add(f"{name}:{frame.f_code.co_name}")
                 self.calls += 1
-            elif event == "c_call" and getattr(arg, "__name__", "") == "_getframe":
+            elif event == "c_call" and getattr(arg, "__name__", "") == "_getframe" and \
+                    frame.f_code.co_filename.startswith(PACKAGE):   # the package's reads (MindSpore's logging reads some)
                 self.frame_reads += 1
         sys.setprofile(profile)
         return self
