@@ -34,7 +34,7 @@ class Calls:
                 self.functions.add(f"{name}:{frame.f_code.co_name}")
                 self.calls += 1
             elif event == "c_call" and getattr(arg, "__name__", "") == "_getframe" and \
-                    frame.f_code.co_filename.startswith(PACKAGE):   # the package's reads (MindSpore's logging reads some)
+                    frame.f_code.co_filename.startswith(PACKAGE):   # the package's (MindSpore's logging reads some)
                 self.frame_reads += 1
         sys.setprofile(profile)
         return self
