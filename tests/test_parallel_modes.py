@@ -119,6 +119,11 @@ def test_parallel_modes_data_parallel_parts_are_built_in_that_mode_only(monkeypa
     with pytest.raises(RuntimeError, match=r"the graph compiles in data_parallel mode, but the cell was bound in "
                                            r"another mode .* Call cell.rebind\(\) after setting the parallel mode"):
         cell.check_data_parallel("GradAccumulationCell")
+    with pytest.raises(RuntimeError, match=r"the parallel mode is data_parallel but mindspore.communication.init\(\) "
+                                           r"has not been called"):
+        cell.rebind()   # no collective is built before communication is set up
+    from ms_gradaccum.parallel import data_parallel   # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(data_parallel, "communication_initialized", lambda: True)
     cell.rebind()
     assert cell.data_parallel and type(cell.replicas).__name__ == "ReplicaCheck"
     assert type(cell.token_totals).__name__ == "TokenTotals"

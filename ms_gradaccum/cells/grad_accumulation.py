@@ -60,12 +60,16 @@ class DataParallelParts:
     data_parallel = False
 
     def bind_data_parallel(self) -> None:
-        object.__setattr__(self, "data_parallel", data_parallel_in_force())
-        if self.data_parallel:
+        """Whether data parallel is in force, and its parts where it is (communication must be set up first: a clear
+        error, before any collective is built or anything else bound)."""
+        data_parallel = data_parallel_in_force()
+        if data_parallel:
+            data_parallel_module().check_data_parallel_ready(self.engine.owner_name)
             child_once(self, "replicas", lambda: data_parallel_module().ReplicaCheck(self._targets,
                                                                                      self.engine.owner_name))
             child_once(self, "token_totals", lambda: data_parallel_module().TokenTotals(self.kind,
                                                                                         self.engine.owner_name))
+        object.__setattr__(self, "data_parallel", data_parallel)
 
     def check_data_parallel(self, cls_name: str) -> None:
         """At compile: data parallel is in force exactly where the cell was bound for it, and ready."""
@@ -228,6 +232,7 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         part or the data-parallel parts, and the loss scale of the train cell around it."""
         # Model routes the cell to _TrainGradAccuStepCell in semi-auto/auto parallel, which AutoParallel sets only
         # while Model builds it and while the graph compiles: that train cell around it says so too.
+        self.bind_data_parallel()   # first: it may refuse, before anything is bound
         parallel_pass = parallel_pass_in_force() or isinstance(found.train_cell, TrainGradAccuStepCell)
         object.__setattr__(self, "bound_parallel_pass", parallel_pass)
         if parallel_pass:   # what the pass cannot do is refused here, before any compile
@@ -242,7 +247,6 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         object.__setattr__(self, "_resolved", (ParameterTuple(weights), buffers))   # not registered: no Cell attribute
         object.__setattr__(self, "targets_key", ",".join(f"{weight.name}#{id(weight)}" for weight in weights))
         self.engine.bind_targets(weights, buffers)
-        self.bind_data_parallel()
         self.loss_scale.bind(found.train_cell)
 
     def _trained_weights(self, found: Surroundings) -> list:
