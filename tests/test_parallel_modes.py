@@ -115,15 +115,16 @@ def test_parallel_modes_data_parallel_parts_are_built_in_that_mode_only(monkeypa
     assert not any(name in ("replicas", "token_totals") for name, _ in cell.name_cells().items())
     monkeypatch.setattr(ms, "get_auto_parallel_context", lambda key, real=ms.get_auto_parallel_context: (
         ms.ParallelMode.DATA_PARALLEL if key == "parallel_mode" else real(key)))
-    assert not cell.data_parallel   # bound stand-alone: the compile checks would ask for rebind()
-    with pytest.raises(RuntimeError, match=r"the graph compiles in data_parallel mode, but the cell was bound in "
-                                           r"another mode .* Call cell.rebind\(\) after setting the parallel mode"):
-        cell.check_data_parallel("GradAccumulationCell")
+    cell.rebind()   # no collective is built before communication is set up: bound for it only once it is
+    assert not cell.data_parallel and "replicas" not in cell.name_cells()
     with pytest.raises(RuntimeError, match=r"the parallel mode is data_parallel but mindspore.communication.init\(\) "
                                            r"has not been called"):
-        cell.rebind()   # no collective is built before communication is set up
+        cell.check_data_parallel("GradAccumulationCell")
     from ms_gradaccum.parallel import data_parallel   # pylint: disable=import-outside-toplevel
     monkeypatch.setattr(data_parallel, "communication_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match=r"the graph compiles in data_parallel mode, but the cell was bound in "
+                                           r"another mode .* Call cell.rebind\(\) after setting the parallel mode"):
+        cell.check_data_parallel("GradAccumulationCell")   # bound before init(), compiled after it without rebind
     cell.rebind()
     assert cell.data_parallel and type(cell.replicas).__name__ == "ReplicaCheck"
     assert type(cell.token_totals).__name__ == "TokenTotals"

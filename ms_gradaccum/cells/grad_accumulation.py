@@ -60,11 +60,11 @@ class DataParallelParts:
     data_parallel = False
 
     def bind_data_parallel(self) -> None:
-        """Whether data parallel is in force, and its parts where it is (communication must be set up first: a clear
-        error, before any collective is built or anything else bound)."""
-        data_parallel = data_parallel_in_force()
+        """Whether data parallel is in force, and its parts where it is; only once communication is set up (before
+        ``init()`` no collective can be built: the compile checks say so, and the compile that follows ``init()`` binds
+        the parts)."""
+        data_parallel = data_parallel_in_force() and data_parallel_module().communication_initialized()
         if data_parallel:
-            data_parallel_module().check_data_parallel_ready(self.engine.owner_name)
             child_once(self, "replicas", lambda: data_parallel_module().ReplicaCheck(self._targets,
                                                                                      self.engine.owner_name))
             child_once(self, "token_totals", lambda: data_parallel_module().TokenTotals(self.kind,
@@ -72,15 +72,15 @@ class DataParallelParts:
         object.__setattr__(self, "data_parallel", data_parallel)
 
     def check_data_parallel(self, cls_name: str) -> None:
-        """At compile: data parallel is in force exactly where the cell was bound for it, and ready."""
+        """At compile: data parallel, where it is in force, is ready (``init()``), and the cell was bound for it."""
+        if data_parallel_in_force():
+            data_parallel_module().check_data_parallel_ready(cls_name)
         if data_parallel_in_force() != self.data_parallel:
             raise RuntimeError(
                 f"For '{cls_name}', the graph compiles in {parallel_mode()} mode, but the cell was bound in "
                 f"{'data_parallel' if self.data_parallel else 'another'} mode (the parallel mode changed between its "
                 f"last binding and this compile, with no new train cell built around it). Call cell.rebind() after "
                 f"setting the parallel mode.")
-        if self.data_parallel:
-            data_parallel_module().check_data_parallel_ready(cls_name)
 
     def batch_prologue(self, inputs):
         """The start of a step in either cell, in the graph: ``(scale, (split, shared, constants, layout), unit)``: the
@@ -232,7 +232,7 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         part or the data-parallel parts, and the loss scale of the train cell around it."""
         # Model routes the cell to _TrainGradAccuStepCell in semi-auto/auto parallel, which AutoParallel sets only
         # while Model builds it and while the graph compiles: that train cell around it says so too.
-        self.bind_data_parallel()   # first: it may refuse, before anything is bound
+        self.bind_data_parallel()
         parallel_pass = parallel_pass_in_force() or isinstance(found.train_cell, TrainGradAccuStepCell)
         object.__setattr__(self, "bound_parallel_pass", parallel_pass)
         if parallel_pass:   # what the pass cannot do is refused here, before any compile
