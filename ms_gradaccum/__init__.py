@@ -1,8 +1,8 @@
 """Gradient accumulation for MindSpore that trains the full-batch update on micro-batch memory."""
 from ms_gradaccum import _mindspore  # noqa: F401  (first: refuses a MindSpore outside the supported range)
 from ms_gradaccum.cells.grad_accumulation import GradAccumulationCell as GradAccumulationCell
-from ms_gradaccum.diagnostics.equivalence import EquivalenceReport as EquivalenceReport
-from ms_gradaccum.diagnostics.equivalence import check_equivalence as check_equivalence
+from ms_gradaccum.cells.equivalence import EquivalenceReport as EquivalenceReport
+from ms_gradaccum.cells.equivalence import check_equivalence as check_equivalence
 from ms_gradaccum.core.kinds import IgnoredLabelMean as IgnoredLabelMean
 from ms_gradaccum.core.kinds import LossKind as LossKind
 from ms_gradaccum.core.kinds import RowMean as RowMean

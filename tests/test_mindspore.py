@@ -512,3 +512,42 @@ def test_mindspore_nothing_outside_the_adapters_writes_into_another_objects_dict
     inside = [hit for file in sorted(os.listdir(adapters)) if file.endswith(".py")
               for hit in _foreign_dict_writes(open(os.path.join(adapters, file), encoding="utf-8").read(), file)]
     assert inside, "the scan sees the adapters' own writes (surroundings.copy_cell, randomness.HeldDraws)"
+
+
+# What each part of the package may import of the others (docs/design.md, "Modules"): core knows nothing of the rest,
+# the diagnostics and the parallel modes know the core (the engine knows nothing of the diagnostics), the cells wire
+# them, the adapters build on the cells.
+_MAY_IMPORT = {
+    "core": {"core", "_mindspore"},
+    "diagnostics": {"core", "_mindspore", "diagnostics"},
+    "parallel": {"core", "_mindspore", "parallel"},
+    "cells": {"core", "_mindspore", "diagnostics", "parallel", "cells"},
+    "adapters": {"core", "_mindspore", "cells", "adapters"},
+    "_mindspore": {"_mindspore"},
+}
+
+
+def _layer(module: str):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in _MAY_IMPORT) else None
+
+
+def test_mindspore_each_part_imports_only_the_parts_below_it():
+    imports = _package_imports()
+    crossings = []
+    for module, found in imports.items():
+        layer = _layer(module)
+        if layer not in _MAY_IMPORT:
+            continue
+        for target, names in found:
+            if not target.startswith("ms_gradaccum"):
+                continue
+            targets = [f"{target}.{name}" for name in names if f"{target}.{name}" in imports] or [target]
+            for full in targets:
+                if _layer(full) is not None and _layer(full) not in _MAY_IMPORT[layer]:
+                    crossings.append(f"{module} -> {full}")
+    assert crossings == [], crossings
+    # Control: the engine is where the rule is read (and the cells do import the diagnostics).
+    assert any(target.startswith("ms_gradaccum.diagnostics") for target, _ in imports[
+        "ms_gradaccum.cells.grad_accumulation"])
+    assert "ms_gradaccum.core.engine" in imports
