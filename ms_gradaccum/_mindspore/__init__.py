@@ -1,12 +1,13 @@
-"""MindSpore's internals, behind named adapters: the only modules of the package that import a private MindSpore name
-(``tests/test_mindspore.py``'s fence checks it). Elsewhere the package writes plain state of the user's cells in one
-place, and puts it back: the loss contract's eager passes restore what cells' own ``__call__`` set
-(``diagnostics.eager``); nothing is written on the cell the user calls.
+"""MindSpore's internals, behind named adapters: the only modules of the package that import a private MindSpore name,
+read another object's private attributes, or write into another object's ``__dict__`` (``tests/test_mindspore.py``'s
+fence checks each, and that nothing reads a frame). What they change of a user's cells they put back: a cell's plain
+state after an eager pass (``surroundings.call_state_kept``), the random primitives during the probe
+(``randomness``); nothing is written on the cell the user calls.
 
 - :mod:`.version`: the supported versions (checked on import) and what differs between them.
 - :mod:`.graph`: Python run while a graph compiles; eager execution from anywhere.
-- :mod:`.surroundings`: the cells around a cell, found on the stack; how ``Model`` routes a
-  cell by name and the parallel mode; a Cell's own Parameter dict and precision flags.
+- :mod:`.surroundings`: the cells around a cell, found walking down from the root a compile is handed; how ``Model``
+  routes a cell by name and the parallel mode; a Cell's own Parameter dict, precision flags and plain state.
 - :mod:`.parallel`: what the parallel modes read (communication, the gradient reducer, the batch axis's split).
 - :mod:`.patches`: the process-wide changes, each with ``install()`` and ``uninstall()``.
 - :mod:`.randomness`: random draws held the same across the loss contract's probe passes, the random state put back.
