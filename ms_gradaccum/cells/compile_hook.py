@@ -11,7 +11,9 @@ the one ``Model`` builds, or the package cell itself), and MindSpore calls nothi
   that root, and runs the loss contract's probe on its first compile); an error of that compile gets the context of
   the cell whose engine it laid out (``cell.compile_error_context``);
 - undo: after the compile, the cells it held stop waiting; once none waits (or each was dropped before a compile), the
-  executor's ``compile`` is MindSpore's again.
+  executor's ``compile`` is MindSpore's again. A cell compiled only inside a ``jit`` function (a functional loop), which
+  this executor never compiles, waits until it is dropped or called in PyNative mode; meanwhile each call of a cell
+  of one's own runs :func:`around_compile` (it walks that cell's tree and finds nothing to do).
 
 PyNative mode compiles nothing: the cells' own ``__call__`` does that work and stops them waiting.
 """
