@@ -351,6 +351,20 @@ def test_structure_hook_is_undone_after_a_pynative_call_and_nothing_is_written_o
     assert not GRAPH_COMPILE.installed and "compile" not in vars(step)
 
 
+def test_structure_hook_is_undone_after_a_cell_compiled_only_in_a_jit_function():
+    # A functional loop in graph mode compiles the cell inside a jit function, which the hooked executor never compiles:
+    # that compile's checks release it, and nothing of the package stays on later calls of other cells.
+    ms.set_context(mode=ms.GRAPH_MODE)
+    _no_cell_waits()
+    net = make_mlp()
+    cell = GradAccumulationCell(RowMeanLoss(net), K)
+    assert GRAPH_COMPILE.installed   # control: waiting since its construction
+    grad_fn = ms.value_and_grad(cell, None, net.trainable_params())
+    x, y, mask = batches(1)[0]
+    grad_fn(Tensor(x), Tensor(y), Tensor(mask))
+    assert not GRAPH_COMPILE.installed
+
+
 def test_structure_probe_runs_once_per_layout():
     # A steady call does not probe again; a call with inputs of another layout (dtypes, ranks) does, in PyNative mode.
     from ms_gradaccum.diagnostics import contract   # pylint: disable=import-outside-toplevel

@@ -231,6 +231,7 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
         """What is checked when the graph compiles (and at every call in PyNative mode): see
         _mindspore.graph.CompileChecks. It compares what is in force with what is bound (cells.binding), and changes
         nothing."""
+        self.compiled_elsewhere()
         self.check_data_parallel(_NAME)
         if parallel_pass_in_force():
             raise RuntimeError(

@@ -38,6 +38,8 @@ class BoundCell:
     calling_eagerly = False
     #: ``trainable_now()`` when last bound.
     bound_trainable = frozenset()
+    #: True from :meth:`before_compile` to the end of that compile (``cells.compile_hook``).
+    compiling_from_root = False
 
     def _bind(self, found: Surroundings) -> None:
         raise NotImplementedError
@@ -77,8 +79,16 @@ class BoundCell:
         """Before a compile of `root` on `args` (``cells.compile_hook``): binds from `root`, and where the batch reaches
         this cell unchanged, runs the loss contract's probe on it."""
         self.bind(root)
+        object.__setattr__(self, "compiling_from_root", True)
         if inner_cell(root) is self:
             probe_first_call(self, args)
+
+    def compiled_elsewhere(self) -> None:
+        """Called by the compile checks: a graph compiling the cell that the compile hook did not prepare (a ``jit``
+        function, which that executor never compiles) means no compile of the hook's will come for it: it stops
+        waiting (the hook is undone once none waits). Not in PyNative calls."""
+        if not self.calling_eagerly and not self.compiling_from_root:
+            done_waiting(self)
 
     def __call__(self, *args, **kwargs):
         """In PyNative mode, where nothing compiles: binds the cell where the trained weights changed (from its

@@ -12,8 +12,7 @@ the one ``Model`` builds, or the package cell itself), and MindSpore calls nothi
   the cell whose engine it laid out (``cell.compile_error_context``);
 - undo: after the compile, the cells it held stop waiting; once none waits (or each was dropped before a compile), the
   executor's ``compile`` is MindSpore's again. A cell compiled only inside a ``jit`` function (a functional loop), which
-  this executor never compiles, waits until it is dropped or called in PyNative mode; meanwhile each call of a cell
-  of one's own runs :func:`around_compile` (it walks that cell's tree and finds nothing to do).
+  this executor never compiles, stops waiting when that compile runs its compile checks (``compiled_elsewhere``).
 
 PyNative mode compiles nothing: the cells' own ``__call__`` does that work and stops them waiting.
 """
@@ -78,10 +77,14 @@ def around_compile(root: nn.Cell, args: tuple):
         engine = child(owner, "engine")
         if engine is not None:
             engine.scaled_loss.record.layout = None
-    for owner in held:
-        owner.before_compile(root, args)
-    yield
-    for owner in held:
+    try:
+        for owner in held:
+            owner.before_compile(root, args)
+        yield
+    finally:
+        for owner in held:
+            object.__setattr__(owner, "compiling_from_root", False)
+    for owner in held:   # compiled: no longer waiting (a failed compile leaves them waiting for the next)
         _WAITING.discard(owner)
     _release_if_none_waits()
 

@@ -279,6 +279,7 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (every call in PyNative mode): _mindspore.graph.CompileChecks. It
         compares what is in force with what is bound (cells.binding), and changes nothing."""
+        self.compiled_elsewhere()
         self.check_data_parallel(_NAME)
         if self.calling_eagerly:   # PyNative mode: bound from the arguments for this call (nothing around is known)
             self.loss_scale.check()
