@@ -6,8 +6,8 @@ import pytest
 from mindspore import nn, Tensor
 
 from ms_gradaccum import GradAccumulationCell
-from ms_gradaccum.cells import compile_hook
 from ms_gradaccum._mindspore.patches import CELL_GRAPH_EXECUTOR, GRAPH_COMPILE
+from ms_gradaccum.cells import compile_hook
 from helpers import assert_params_close, ce, classification_batches, make_mlp, make_optimizer, params_of, train_steps
 
 K = 4

@@ -13,8 +13,8 @@ import pytest
 from mindspore import nn, ops, Tensor
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from ms_gradaccum.cells import grad_accumulation as _cell
 from ms_gradaccum._mindspore.bprops import bprops_calling_zeros_like
+from ms_gradaccum.cells import grad_accumulation as _cell
 from launch import REPO, repo_env
 from helpers import (assert_params_close, assert_params_moved, classification_batches, make_mlp, make_optimizer,
                      params_of, train_steps, ZerosLikeFunction, ZerosLikeLoss)

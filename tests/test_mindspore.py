@@ -14,9 +14,9 @@ import mindspore as ms
 import pytest
 from mindspore import nn, Parameter, Tensor
 
+from ms_gradaccum._mindspore import graph, surroundings, version
 from ms_gradaccum.core import buffers as _buffers
 from ms_gradaccum.parallel import parallel_pass as _parallel_pass
-from ms_gradaccum._mindspore import graph, surroundings, version
 from launch import repo_env
 
 pytestmark = pytest.mark.lowest

@@ -13,8 +13,8 @@ from mindspore.train.amp import _is_grad_accumulation
 from mindspore.parallel.auto_parallel import AutoParallel
 
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
-from ms_gradaccum.parallel import parallel_pass as parallel_pass
 from ms_gradaccum._mindspore.parallel import batch_axis_splits
+from ms_gradaccum.parallel import parallel_pass as parallel_pass
 from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
                      params_of, reference_run, train_steps)
 

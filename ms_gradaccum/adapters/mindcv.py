@@ -30,8 +30,8 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
 from mindspore.train import DynamicLossScaleManager, FixedLossScaleManager, Model
 
-from ms_gradaccum.cells.scheduler import warn_per_batch_schedule
 from ms_gradaccum.cells.accumulating import AccumulatingTrainOneStepCell, StepOptions
+from ms_gradaccum.cells.scheduler import warn_per_batch_schedule
 from ms_gradaccum.core.validation import argument_error, check_bool, check_positive_float, check_positive_int
 
 __all__ = ["TrainStep", "create_scheduler", "create_trainer"]

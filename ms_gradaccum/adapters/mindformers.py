@@ -57,10 +57,10 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._mindspore.graph import compile_time
 from ms_gradaccum._mindspore.patches import Patch
 from ms_gradaccum._mindspore.surroundings import parallel_mode, parallel_pass_in_force
-from ms_gradaccum.core.kinds import LossSpec
 from ms_gradaccum.cells.accumulating import SCALE_MANAGERS, AccumulatingTrainOneStepCell, StepOptions
-from ms_gradaccum.core.window import STATE_PREFIX
+from ms_gradaccum.core.kinds import LossSpec
 from ms_gradaccum.core.validation import argument_error, check_bool, check_positive_float, check_positive_int
+from ms_gradaccum.core.window import STATE_PREFIX
 
 __all__ = ["GradAccumulationWrapper", "check_trainer_config"]
 

@@ -6,8 +6,8 @@ from typing import Optional
 
 from mindspore import nn, ops
 
-from ms_gradaccum.core.kinds import LossSpec
 from ms_gradaccum.cells.accumulating import AccumulatingTrainOneStepCell, StepOptions
+from ms_gradaccum.core.kinds import LossSpec
 from ms_gradaccum.core.validation import argument_error, check_bool, check_int, check_positive_float, check_positive_int
 
 

@@ -8,22 +8,22 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
+from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
+from ms_gradaccum._mindspore.surroundings import Surroundings
+from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force
+from ms_gradaccum.cells.binding import BoundCell
+from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
+from ms_gradaccum.cells.grad_accumulation import DataParallelParts, GradAccumulationCell, data_parallel_module
 from ms_gradaccum.core import buffers as _buffers
 from ms_gradaccum.core.buffers import GradientBuffers
-from ms_gradaccum.cells.binding import BoundCell
-from ms_gradaccum.cells.grad_accumulation import DataParallelParts, GradAccumulationCell, data_parallel_module
-from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
-from ms_gradaccum._mindspore.surroundings import Surroundings
 from ms_gradaccum.core.engine import MicroBatchGradients, field, warn_where_inexact
-from ms_gradaccum.diagnostics.contract import ContractCheck
-from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
-from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force
 from ms_gradaccum.core.kinds import LossKind, LossSpec, RowMean, SpecFields, declares_kind
 from ms_gradaccum.core.loss_scale import SCALE_EXPECTED, LiveScale, LossScale, check_scale_value
 from ms_gradaccum.core.tokens import recognised
 from ms_gradaccum.core.validation import (argument_error, check_cell, check_has_parameters, check_positive_float,
-                                      check_positive_int, foreign_optimizer_error)
+                                          check_positive_int, foreign_optimizer_error)
 from ms_gradaccum.core.window import StateUnderOptimizer, Window
+from ms_gradaccum.diagnostics.contract import ContractCheck
 
 
 _NAME = "AccumulatingTrainOneStepCell"

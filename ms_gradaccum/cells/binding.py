@@ -19,8 +19,8 @@ from typing import Optional
 import mindspore as ms
 from mindspore import nn
 
-from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
 from ms_gradaccum._mindspore.surroundings import Surroundings, around, child
+from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
 from ms_gradaccum.diagnostics.calls import compile_error_context, inner_cell, probe_first_call
 
 NOTHING_AROUND = Surroundings()

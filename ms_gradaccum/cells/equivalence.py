@@ -14,8 +14,8 @@ import mindspore as ms
 import mindspore.dataset as ds
 from mindspore import nn
 
-from ms_gradaccum.cells.grad_accumulation import GradAccumulationCell
 from ms_gradaccum._mindspore.randomness import random_primitives
+from ms_gradaccum.cells.grad_accumulation import GradAccumulationCell
 from ms_gradaccum.core.validation import batch_norm_cells, check_positive_int
 
 _NAME = "check_equivalence"

@@ -5,24 +5,24 @@ import mindspore as ms
 from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum.core import buffers as _buffers
-from ms_gradaccum.core import loss_scale as _loss_scale
-from ms_gradaccum.cells.binding import BoundCell
-from ms_gradaccum.core.buffers import GradientBuffers
-from ms_gradaccum.cells.compile_hook import expect_compile
-from ms_gradaccum.diagnostics.contract import ContractCheck
-from ms_gradaccum.core.engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum._mindspore.graph import CompileChecks, run_compile_checks
 from ms_gradaccum._mindspore.patches import AUTODIFF_ZEROS_LIKE, ZEROS_LIKE
 from ms_gradaccum._mindspore.surroundings import (ROUTED_NAMES, Surroundings, TrainGradAccuStepCell, child,
                                                   data_parallel_in_force, parallel_mode, parallel_pass_in_force,
                                                   set_child)
+from ms_gradaccum.cells.binding import BoundCell
+from ms_gradaccum.cells.compile_hook import expect_compile
+from ms_gradaccum.core import buffers as _buffers
+from ms_gradaccum.core import loss_scale as _loss_scale
 from ms_gradaccum.core.base import PrecisionNeutral
+from ms_gradaccum.core.buffers import GradientBuffers
+from ms_gradaccum.core.engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum.core.kinds import LossKind, LossSpec, SpecFields
 from ms_gradaccum.core.tokens import recognised
 from ms_gradaccum.core.validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
-                                      foreign_optimizer_error, is_batch_statistic, no_trained_weights_error,
-                                      weights_required_error)
+                                          foreign_optimizer_error, is_batch_statistic, no_trained_weights_error,
+                                          weights_required_error)
+from ms_gradaccum.diagnostics.contract import ContractCheck
 
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"

@@ -12,9 +12,9 @@ import numpy as np
 from mindspore import nn, ops, Parameter, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._mindspore.surroundings import own_parameters
 from ms_gradaccum._mindspore.graph import primexpr
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE
+from ms_gradaccum._mindspore.surroundings import own_parameters
 from ms_gradaccum._mindspore.version import AUGMENTED_ASSIGNMENT_IN_PLACE
 from ms_gradaccum.core.microbatch import plan
 

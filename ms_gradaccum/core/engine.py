@@ -13,15 +13,15 @@ import mindspore as ms
 from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum.core.buffers import add_gradients, dtypes_match, zero_buffers
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE
 from ms_gradaccum.core.base import PrecisionNeutral
+from ms_gradaccum.core.buffers import add_gradients, dtypes_match, zero_buffers
 from ms_gradaccum.core.kinds import LossSpec
+from ms_gradaccum.core.microbatch import (assemble, check_loss_dtype, check_loss_output, input_shapes, input_names,
+                                          micro_batch, partition, plan_inputs, split_batch)
 from ms_gradaccum.core.tokens import TokenCounter, counting_view
 from ms_gradaccum.core.validation import readable, warn_batch_norm
-from ms_gradaccum.core.microbatch import (assemble, check_loss_dtype, check_loss_output, input_shapes, input_names,
-                                      micro_batch, partition, plan_inputs, split_batch)
 
 
 class TupleInputs(PrecisionNeutral):

@@ -22,7 +22,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum.core import buffers as _buffers
 from ms_gradaccum.core.validation import (argument_error, check_bool, check_input_indices, check_min_count,
-                                      check_positive_int, check_reduction)
+                                          check_positive_int, check_reduction)
 
 
 @ms.jit_class

@@ -17,8 +17,8 @@ import numpy as np
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum.core.base import PrecisionNeutral
 from ms_gradaccum._mindspore.surroundings import applied_sens
+from ms_gradaccum.core.base import PrecisionNeutral
 from ms_gradaccum.core.validation import argument_error, computes_in_float16
 
 SCALE_EXPECTED = {"scale_sense": "a positive finite float, a scalar Tensor, nn.DynamicLossScaleUpdateCell or "

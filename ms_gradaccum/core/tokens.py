@@ -17,8 +17,8 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum.core.kinds import LossKind, LossSpec
 from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, with_child_replaced
+from ms_gradaccum.core.kinds import LossKind, LossSpec
 from ms_gradaccum.core.token_sum import is_token_mean, token_sum_loss
 
 

@@ -11,9 +11,9 @@ and again when the inputs' layout changes.
 """
 from mindspore import nn
 
-from ms_gradaccum.core.microbatch import check_tensor_inputs
 from ms_gradaccum._mindspore.graph import in_function_gradient
 from ms_gradaccum._mindspore.surroundings import child
+from ms_gradaccum.core.microbatch import check_tensor_inputs
 
 # The train cells whose construct hands its inputs, unchanged, to `self.network` (mindspore/nn/wrap/cell_wrapper.py,
 # loss_scale.py; checked 2.7.0-2.10.0): what Model builds around GradAccumulationCell, and hand-written loops use.

@@ -38,15 +38,15 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum.core.base import PrecisionNeutral, Unsaved
-from ms_gradaccum.core.kinds import IGNORE_INDEX, IgnoredLabelMean, RowMean
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, gradients_recorded, primexpr
 from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.randomness import HeldDraws
 from ms_gradaccum._mindspore.surroundings import parallel_mode
-from ms_gradaccum.diagnostics.eager import BatchRows, own_gradients_off, run_eagerly, runs_on, training_off
+from ms_gradaccum.core.base import PrecisionNeutral, Unsaved
+from ms_gradaccum.core.kinds import IGNORE_INDEX, IgnoredLabelMean, RowMean
 from ms_gradaccum.core.microbatch import SPLIT, assemble, micro_batch_rows
 from ms_gradaccum.core.validation import batch_norm_cells, computes_in_float16, readable
+from ms_gradaccum.diagnostics.eager import BatchRows, own_gradients_off, run_eagerly, runs_on, training_off
 
 # Relative tolerance of the value comparisons: float32 reductions in another order; float16 networks round far more.
 RTOL, RTOL_FLOAT16 = 1e-3, 2e-2

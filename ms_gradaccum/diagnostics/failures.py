@@ -14,9 +14,9 @@ from typing import Optional, Tuple
 from mindspore import nn
 
 from ms_gradaccum._mindspore.graph import traceback_runs_through
-from ms_gradaccum.diagnostics.eager import BatchRows, runs_on
 from ms_gradaccum.core.microbatch import (SPLIT, input_shapes, micro_batch_rows, plan,
-                                      split_as_compiled)
+                                          split_as_compiled)
+from ms_gradaccum.diagnostics.eager import BatchRows, runs_on
 
 
 def _split(micro_size: int, engine: nn.Cell, inputs: Optional[tuple]) -> Tuple[list, tuple, int, list]:

@@ -6,11 +6,11 @@ from typing import Optional
 from mindspore import nn
 
 from ms_gradaccum.core.engine import NON_FINITE_CAUSE, MicroBatchGradients
-from ms_gradaccum.diagnostics.contract import ContractCheck
 from ms_gradaccum.core.kinds import LossKind, LossSpec
 from ms_gradaccum.core.microbatch import check_tensor_inputs, micro_batch_rows
 from ms_gradaccum.core.tokens import recognised
 from ms_gradaccum.core.validation import argument_error, check_cell
+from ms_gradaccum.diagnostics.contract import ContractCheck
 
 _PUBLIC = "check_loss_contract"
 

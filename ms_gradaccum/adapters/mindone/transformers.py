@@ -21,8 +21,8 @@ from mindone.transformers.mindspore_adapter.clip_grad import clip_grad_norm
 from mindone.transformers.mindspore_adapter.train_onestep_wrapper import TrainOneStepWrapper as _AdapterWrapper
 from mindspore import nn
 
-from ms_gradaccum.core.kinds import LossSpec
 from ms_gradaccum.cells.accumulating import AccumulatingTrainOneStepCell
+from ms_gradaccum.core.kinds import LossSpec
 
 __all__ = ["Trainer"]
 
