@@ -83,6 +83,10 @@ class BoundCell:
         if inner_cell(root) is self:
             probe_first_call(self, args)
 
+    def after_compile(self) -> None:
+        """After the compile :meth:`before_compile` prepared (``cells.compile_hook``), whether it succeeded or not."""
+        object.__setattr__(self, "compiling_from_root", False)
+
     def compiled_elsewhere(self) -> None:
         """Called by the compile checks: a graph compiling the cell that the compile hook did not prepare (a ``jit``
         function, which that executor never compiles) means no compile of the hook's will come for it: it stops

@@ -83,7 +83,7 @@ def around_compile(root: nn.Cell, args: tuple):
         yield
     finally:
         for owner in held:
-            object.__setattr__(owner, "compiling_from_root", False)
+            owner.after_compile()
     for owner in held:   # compiled: no longer waiting (a failed compile leaves them waiting for the next)
         _WAITING.discard(owner)
     _release_if_none_waits()

@@ -181,7 +181,9 @@ def check_loss_output(cls_name: str, returns_count: bool, is_tuple: bool, shapes
             f"For '{cls_name}', the argument 'network' must return a single-element loss (shape () or (1,)), but it "
             f"returned shape {shapes[0]}. Reduce the loss inside the network, e.g. with reduction='mean' in the loss "
             f"function, or return (loss_sum, count) with per_token_loss=True for a loss normalised by a count such as "
-            f"the number of tokens.")
+            f"the number of tokens. Where the cell is the backbone of a cell that computes the loss of its output "
+            f"(Model(cell, loss_fn=...) builds one), it gets the data without its labels: put the loss inside, "
+            f"Model({cls_name}(nn.WithLossCell(network, loss_fn), micro_size), optimizer=...).")
 
 
 # The per-input work of the split is one Map over the inputs: a Python loop building a tuple compiles into subgraphs
