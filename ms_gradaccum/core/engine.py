@@ -1,14 +1,16 @@
 """The micro-batch engine both cells own: forward and backward once per micro-batch, in turn, gradients added in place.
 
-Contract: ``engine(inputs, shared, constants, layout, scale, count_unit, key) -> ACCUMULATED``. `inputs`
+Contract: ``engine(inputs, shared, constants, layout, scale, count_unit, key) -> accumulated(...)``. `inputs`
 is split along axis 0 into ``micro_size`` micro-batches (`shared` and `constants` passed whole, in their places per
 `layout`); each runs forward and backward once on its loss times ``scale * weight`` (the kind's tally; `count_unit`:
 the rows of the largest micro-batch), adding its gradients into the buffers of the owner's weights
 (:meth:`bind_targets`) as the backward produces them. One loop body, so the graph holds one copy of the network per
-micro-batch shape (two for an uneven split). :data:`ACCUMULATED` says what comes back; `key` names the trained weights,
+micro-batch shape (two for an uneven split). :func:`accumulated` says what comes back; `key` names the trained weights,
 so that PyNative mode compiles again when they change. The engine knows nothing of the diagnostics (``diagnostics/``
 imports it).
 """
+import inspect
+
 import mindspore as ms
 from mindspore import nn, ops, ParameterTuple, Tensor
 from mindspore.common import dtype as mstype
@@ -133,37 +135,38 @@ class ScaledLoss(PrecisionNeutral):
 NON_FINITE_CAUSE = ("A loss normalised by a count taken over its own rows is 0/0 on a micro-batch without a single "
                     "valid row or token (a masked mean (loss * mask).sum() / mask.sum())")
 
-# What the engine returns for a batch, one tuple of float32 Tensors in this order, written here only and read by name
-# (`field`): the sum of the micro-batches' tallied values (the kind's) and of their counts; zeros of the network's
-# loss shape (``()`` or ``(1,)``); the value and count of micro-batches 0 and 1 (the loss contract's in-graph
-# comparison). A tuple, not a NamedTuple: MindSpore 2.10 refuses a named tuple that crosses a jit graph's boundary.
-ACCUMULATED = ("value", "count", "loss_like", "first_two_value", "first_two_count")
+# Named fields of a tuple in the graph, their order written once, in the function that builds the tuple (positional
+# and keyword arguments in its signature). Not a NamedTuple: MindSpore 2.10 fails to run a graph where a named tuple
+# crosses a jit graph's boundary (2.7 accepts it); not a function of ``**fields``: building the tuple from a dict by
+# name compiled into 276 more subgraphs at any depth (docs/measurements.md, "Before and after #67").
 
-# What the loop carries per micro-batch, as one float32 vector (one Unstack per step, not an indexing each, each
-# compiled through MindSpore's indexing functions: docs/measurements.md), in this order, written here only: the sums of
-# value and count, the smallest count and whether every count was finite (kinds that check counts), the sums after
-# the first two micro-batches, the first micro-batch with a non-finite loss or count (-1: none) with its first and
-# last row, whether any micro-batch was finite, and the most calls of the recognised loss cells in one forward pass.
-_TOTALS = ("value", "count", "smallest", "finite", "first_two_value", "first_two_count", "bad", "bad_first_row",
-           "bad_last_row", "any_finite", "calls")
+def accumulated(value, count, loss_like, first_two_value, first_two_count) -> tuple:
+    """What the engine returns for a batch, float32 Tensors: the sum of the micro-batches' tallied values (the kind's)
+    and of their counts; zeros of the network's loss shape (``()`` or ``(1,)``); the value and count of micro-batches 0
+    and 1 (the loss contract's in-graph comparison). Read by name with :func:`field`."""
+    return (value, count, loss_like, first_two_value, first_two_count)
 
 
-def field(values: tuple, name: str, order: tuple = ACCUMULATED):
-    """The field `name` of `values`, a tuple in `order` (in the graph too)."""
-    return values[order.index(name)]
+def _totals(value, count, smallest, finite, first_two_value, first_two_count, bad, bad_first_row, bad_last_row,
+            any_finite, calls) -> tuple:
+    """What the loop carries per micro-batch, as one float32 vector (one Unstack per step, not an indexing each, each
+    compiled through MindSpore's indexing functions: docs/measurements.md): the sums of value and count, the smallest
+    count and whether every count was finite (kinds that check counts), the sums after the first two micro-batches,
+    the first micro-batch with a non-finite loss or count (-1: none) with its first and last row, whether any
+    micro-batch was finite, and the most calls of the recognised loss cells in one forward pass. Read by name with
+    ``_AT``."""
+    return (value, count, smallest, finite, first_two_value, first_two_count, bad, bad_first_row, bad_last_row,
+            any_finite, calls)
 
 
-def _ordered(order: tuple, **values) -> tuple:
-    """`values`, given by name, as a tuple in `order`."""
-    return tuple(values[name] for name in order)
+ACCUMULATED = tuple(inspect.signature(accumulated).parameters)
+_AT_ACCUMULATED = {name: index for index, name in enumerate(ACCUMULATED)}
+_AT = {name: index for index, name in enumerate(inspect.signature(_totals).parameters)}
 
 
-def _at(name: str) -> int:
-    return _TOTALS.index(name)
-
-
-def _totals(**fields) -> tuple:
-    return _ordered(_TOTALS, **fields)
+def field(values: tuple, name: str):
+    """The field `name` of the engine's output `values` (:func:`accumulated`), in the graph too."""
+    return values[_AT_ACCUMULATED[name]]
 
 
 class MicroBatchGradients(PrecisionNeutral):
@@ -241,24 +244,24 @@ class MicroBatchGradients(PrecisionNeutral):
     def _tally(self, out, totals, index, first_row, rows):
         """The loop's `totals` (see ``_TOTALS``) after micro-batch `index` (rows `first_row` on), whose ScaledLoss
         output is `out`. All float32: a bool carried by the loop compiles slower (docs/measurements.md)."""
-        value, count = totals[_at("value")] + out[1], totals[_at("count")] + out[2]
-        smallest, finite = totals[_at("smallest")], totals[_at("finite")]
+        value, count = totals[_AT["value"]] + out[1], totals[_AT["count"]] + out[2]
+        smallest, finite = totals[_AT["smallest"]], totals[_AT["finite"]]
         if self.checks_counts:
             smallest = ops.minimum(smallest, out[2])
             finite = ops.minimum(finite, ops.cast(ops.isfinite(out[2]), mstype.float32))
         second = index == 1
         ok = ops.logical_and(ops.isfinite(out[1]), ops.isfinite(out[2]))
-        bad = totals[_at("bad")]
+        bad = totals[_AT["bad"]]
         first_bad = ops.logical_and(ops.logical_not(ok), bad < 0)
         row = ops.cast(first_row, mstype.float32)
         return _totals(value=value, count=count, smallest=smallest, finite=finite,
-                       first_two_value=ops.select(second, value, totals[_at("first_two_value")]),
-                       first_two_count=ops.select(second, count, totals[_at("first_two_count")]),
+                       first_two_value=ops.select(second, value, totals[_AT["first_two_value"]]),
+                       first_two_count=ops.select(second, count, totals[_AT["first_two_count"]]),
                        bad=ops.select(first_bad, ops.cast(index, mstype.float32), bad),
-                       bad_first_row=ops.select(first_bad, row, totals[_at("bad_first_row")]),
-                       bad_last_row=ops.select(first_bad, row + (rows - 1), totals[_at("bad_last_row")]),
-                       any_finite=ops.maximum(totals[_at("any_finite")], ops.cast(ok, mstype.float32)),
-                       calls=ops.maximum(totals[_at("calls")], out[3]))
+                       bad_first_row=ops.select(first_bad, row, totals[_AT["bad_first_row"]]),
+                       bad_last_row=ops.select(first_bad, row + (rows - 1), totals[_AT["bad_last_row"]]),
+                       any_finite=ops.maximum(totals[_AT["any_finite"]], ops.cast(ok, mstype.float32)),
+                       calls=ops.maximum(totals[_AT["calls"]], out[3]))
 
     def _accumulate(self, split, others, stop, totals, scale, rows, count_unit, offset, row_offset):
         # A while loop over a Tensor counter compiles once and runs the micro-batches strictly in turn (each one's
@@ -268,7 +271,7 @@ class MicroBatchGradients(PrecisionNeutral):
         while i < stop:
             out, grads = self._value_and_grads(self._micro_inputs(split, i, others), scale, rows, count_unit)
             totals = self._tally(out, ops.unstack(packed), i + offset, i * rows + row_offset, rows)
-            value = add_gradients(self.buffers, grads, totals[_at("value")], self.adds_with_cast)
+            value = add_gradients(self.buffers, grads, totals[_AT["value"]], self.adds_with_cast)
             packed = ops.stack((value,) + totals[1:])   # "value" first: made to depend on the buffers' additions
             i = i + 1
         return ops.unstack(packed)
@@ -330,18 +333,18 @@ class MicroBatchGradients(PrecisionNeutral):
             totals = self._accumulate(split, others, count, totals, scale, rows, count_unit, offset, row_offset)
             offset += count
             row_offset += count * rows
-        value = totals[_at("value")]
+        value = totals[_AT["value"]]
         if self.checks_counts:
-            value = ops.depend(value, self._check_counts(totals[_at("smallest")], totals[_at("finite")]))
+            value = ops.depend(value, self._check_counts(totals[_AT["smallest"]], totals[_AT["finite"]]))
         if self.counts_in_network:
-            value = ops.depend(value, self._check_calls(totals[_at("calls")]))
+            value = ops.depend(value, self._check_calls(totals[_AT["calls"]]))
         if not self.skips_non_finite:
-            value = ops.depend(value, self._check_finite(totals[_at("bad")], totals[_at("bad_first_row")],
-                                                         totals[_at("bad_last_row")], totals[_at("any_finite")],
+            value = ops.depend(value, self._check_finite(totals[_AT["bad"]], totals[_AT["bad_first_row"]],
+                                                         totals[_AT["bad_last_row"]], totals[_AT["any_finite"]],
                                                          row_offset))
         loss_like = ops.zeros(recorded_loss_shape(self.scaled_loss.record, value.shape), mstype.float32)
-        return _ordered(ACCUMULATED, value=value, count=totals[_at("count")], loss_like=loss_like,
-                        first_two_value=totals[_at("first_two_value")], first_two_count=totals[_at("first_two_count")])
+        return accumulated(value=value, count=totals[_AT["count"]], loss_like=loss_like,
+                        first_two_value=totals[_AT["first_two_value"]], first_two_count=totals[_AT["first_two_count"]])
 
     def bprop(self, inputs, shared, constants, layout, scale, count_unit, key, out, dout):
         zeros, shared_zeros = (), ()
