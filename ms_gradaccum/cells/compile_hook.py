@@ -23,7 +23,7 @@ import mindspore as ms
 from mindspore import nn
 
 from ms_gradaccum._mindspore.patches import GRAPH_COMPILE
-from ms_gradaccum._mindspore.surroundings import child, enclosing_cells
+from ms_gradaccum._mindspore.surroundings import child
 
 # The package cells waiting for their next compile.
 _WAITING: "weakref.WeakSet" = weakref.WeakSet()
@@ -72,7 +72,8 @@ def around_compile(root: nn.Cell, args: tuple):
         _release_if_none_waits()
         yield
         return
-    held = [owner for owner in cells if enclosing_cells(owner, root) is not None]
+    in_tree = {id(cell) for _, cell in root.cells_and_names()}   # one walk of the tree, whatever number of cells wait
+    held = [owner for owner in cells if id(owner) in in_tree]
     for owner in cells:
         engine = child(owner, "engine")
         if engine is not None:
