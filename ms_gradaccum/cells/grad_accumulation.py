@@ -15,6 +15,8 @@ from ms_gradaccum.cells.compile_hook import expect_compile
 from ms_gradaccum.core import buffers as _buffers
 from ms_gradaccum.core import loss_scale as _loss_scale
 from ms_gradaccum.core.base import PrecisionNeutral
+from ms_gradaccum.core.batch_norm import DEFAULT as BATCH_NORM_DEFAULT
+from ms_gradaccum.core.batch_norm import check_batch_norm, freeze, moving_statistics
 from ms_gradaccum.core.buffers import GradientBuffers
 from ms_gradaccum.core.engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum.core.kinds import LossKind, LossSpec, SpecFields
@@ -168,6 +170,12 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         kind (LossKind, optional): The loss kind as an object (``ms_gradaccum.LossKind``: what a micro-batch tallies,
             how the sums are normalised), instead of `per_token_loss`, `reduction` and `min_count`; see
             ``docs/design.md``, "Loss kinds". Default: ``None``.
+        batch_norm (str, optional): What the network's BatchNorm cells do in training (``docs/design.md``,
+            "BatchNorm"): ``'per_step'``, each micro-batch normalised by its own statistics and the moving statistics
+            updated once per optimizer step from all micro-batches combined (for the first BatchNorm layer exactly
+            the full batch's); ``'frozen'``, normalised with their moving statistics, none updated (exact; sets
+            ``use_batch_statistics=False`` on those cells, which ``None`` undoes); ``'micro'``, each micro-batch
+            updating them. Default: ``None`` (``'per_step'``, with a warning where the network has BatchNorm).
 
     Outputs:
         Tensor, float32, of the network's loss shape: the full-batch loss (``LossMonitor`` prints it).
@@ -192,15 +200,20 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
 
     def __init__(self, network: nn.Cell, micro_size: int, loss_scale=None, per_token_loss: Optional[bool] = None,
                  shared_inputs: tuple = (), reduction: Optional[str] = None, min_count: Optional[float] = None,
-                 check_loss: bool = True, weights=None, kind: Optional[LossKind] = None):
+                 check_loss: bool = True, weights=None, kind: Optional[LossKind] = None,
+                 batch_norm: Optional[str] = None):
         check_cell(network, "network", _NAME)
+        batch_norm = check_batch_norm(batch_norm, _NAME)
         spec = LossSpec.of(_NAME, check_positive_int(micro_size, "micro_size", _NAME), per_token_loss, shared_inputs,
                            reduction, min_count, check_loss, kind)
         check_has_parameters(network, "network", _NAME)
         weights = check_weights(weights, network, _NAME)
         scale = _loss_scale.for_grad_accumulation_cell(loss_scale, network, _NAME)
+        statistics = moving_statistics(network, batch_norm, _NAME, spec.micro_size > 1)
+        if batch_norm == "frozen":
+            freeze(network, _NAME)
         warn_where_inexact(network, _NAME, [f"micro_size={spec.micro_size} micro-batches"]
-                           if spec.micro_size > 1 else [])
+                           if spec.micro_size > 1 else [], batch_norm)
         spec = recognised(spec, network, spec.micro_size > 1)
         super().__init__(auto_prefix=False)
         self.network = network
@@ -209,7 +222,11 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         self.loss_scale = scale
         object.__setattr__(self, "_explicit_weights", weights)   # a plain tuple: the weights stay the network's
         self.gradient_buffers = GradientBuffers()
-        self.engine = MicroBatchGradients(network, spec, overwrite=True, cls_name=_NAME, loss_scale=scale)
+        #: The BatchNorm choice in force (``batch_norm``; None given: 'per_step'), and whether it was given.
+        self.batch_norm = batch_norm or BATCH_NORM_DEFAULT
+        self.batch_norm_given = batch_norm is not None
+        self.engine = MicroBatchGradients(network, spec, overwrite=True, cls_name=_NAME, loss_scale=scale,
+                                          statistics=statistics)
         self.contract = ContractCheck.of(self.engine, network, spec, _NAME)
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
@@ -236,6 +253,11 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         parallel_pass = parallel_pass_in_force() or isinstance(found.train_cell, TrainGradAccuStepCell)
         object.__setattr__(self, "bound_parallel_pass", parallel_pass)
         if parallel_pass:   # what the pass cannot do is refused here, before any compile
+            if self.batch_norm_given and self.batch_norm == "per_step" and self.engine.combines_statistics:
+                raise ValueError(
+                    f"For '{_NAME}', the argument 'batch_norm' is 'per_step', but under semi-auto/auto parallel "
+                    f"MindSpore's parallel pass runs the micro-batches, and its BatchNorm cells update their moving "
+                    f"statistics on each. Pass batch_norm='frozen' (exact) or 'micro' (that behaviour, stated).")
             _parallel_pass().check_parallel_pass_arguments(self.explicit_loss_scale, self.kind, self.shared_inputs)
             child_once(self, "parallel_pass_part", lambda: _parallel_pass().ParallelPassAccumulation(
                 self.network, self.micro_size, self))
@@ -361,6 +383,8 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         result = self.engine(split, shared, constants, layout, scale, unit, self.targets_key)
         value = self.contract(split, (shared, constants, layout), field(result, "first_two_value"),
                               field(result, "first_two_count"), unit, field(result, "value"))
+        if self.engine.combines_statistics:   # the batch's BatchNorm statistics, once (core.batch_norm)
+            value = self.engine.statistics.apply(value)
         count = field(result, "count")
         factor = 1.0
         if self.data_parallel:

@@ -10,6 +10,7 @@ so that PyNative mode compiles again when they change. The engine knows nothing 
 imports it).
 """
 import inspect
+from typing import Optional
 
 import mindspore as ms
 from mindspore import nn, ops, ParameterTuple, Tensor
@@ -186,7 +187,7 @@ class MicroBatchGradients(PrecisionNeutral):
     """
 
     def __init__(self, network: nn.Cell, spec: LossSpec, overwrite: bool, cls_name: str,
-                 loss_scale: nn.Cell):
+                 loss_scale: nn.Cell, statistics: Optional[nn.Cell] = None):
         super().__init__(auto_prefix=False)
         micro_size = spec.micro_size
         self.scaled_loss = ScaledLoss(network, spec.kind, cls_name)
@@ -200,6 +201,10 @@ class MicroBatchGradients(PrecisionNeutral):
         self.overwrite = overwrite
         self.owner_name = cls_name
         object.__setattr__(self, "_loss_scale", loss_scale)   # the owner's child, read here
+        # BatchNorm's moving statistics once per optimizer step (core.batch_norm), None where there are none to
+        # combine; a child, so that its sums are in checkpoints (accu_state.batch_norm.*).
+        self.statistics = statistics
+        self.combines_statistics = statistics is not None
 
     def use_kind(self, kind) -> None:
         """Trains with `kind` from the next compile on (the kind the first call's probe found: diagnostics.contract)."""
@@ -269,7 +274,14 @@ class MicroBatchGradients(PrecisionNeutral):
         i = Tensor(0, mstype.int32)
         packed = ops.stack(totals)
         while i < stop:
-            out, grads = self._value_and_grads(self._micro_inputs(split, i, others), scale, rows, count_unit)
+            micro = self._micro_inputs(split, i, others)
+            if self.combines_statistics:
+                before = self.statistics.before()   # read in program order: the values before this micro-batch
+            out, grads = self._value_and_grads(micro, scale, rows, count_unit)
+            if self.combines_statistics:
+                # Read from the moving statistics the micro-batch moved, then put back (core.batch_norm).
+                moved = self.statistics.after(before, rows, out[1], out[0].shape)
+                out = (out[0], ops.depend(out[1], moved)) + out[2:]
             totals = self._tally(out, ops.unstack(packed), i + offset, i * rows + row_offset, rows)
             value = add_gradients(self.buffers, grads, totals[_AT["value"]], self.adds_with_cast)
             packed = ops.stack((value,) + totals[1:])   # "value" first: made to depend on the buffers' additions
@@ -355,8 +367,8 @@ class MicroBatchGradients(PrecisionNeutral):
         return zeros, shared_zeros, 0, 0, ZEROS_LIKE(scale), ZEROS_LIKE(count_unit), 0
 
 
-def warn_where_inexact(network: nn.Cell, cls_name: str, splits: list) -> None:
-    """The construction warning of a cell that splits or sums batches (`splits` says how, empty if it does not):
-    BatchNorm's statistics are per micro-batch."""
-    if splits:
+def warn_where_inexact(network: nn.Cell, cls_name: str, splits: list, batch_norm: Optional[str] = None) -> None:
+    """The construction warning of a cell that splits or sums batches (`splits` says how, empty if it does not) where
+    the user chose nothing for BatchNorm (`batch_norm` None): each part is normalised by its own statistics."""
+    if splits and batch_norm is None:
         warn_batch_norm(network, cls_name, " and ".join(splits))

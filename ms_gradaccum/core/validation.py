@@ -227,12 +227,15 @@ def batch_norm_cells(network: nn.Cell, cells: bool = False) -> list:
 
 
 def warn_batch_norm(network: nn.Cell, cls_name: str, split: str) -> None:
-    """One UserWarning naming the batch-normalisation cells, what differs from the full batch, and what to do."""
+    """One UserWarning naming the batch-normalisation cells, what each ``batch_norm`` choice makes exact, and how to
+    choose (given only where the user chose nothing: core.engine.warn_where_inexact)."""
     cells = batch_norm_cells(network)
     if cells:
         warnings.warn(
-            f"{cls_name}: the network has batch normalisation ({', '.join(cells)}). With {split}, its statistics are "
-            f"computed per part instead of over the full batch, and its moving averages are updated once per part, "
-            f"so training is not equivalent to the full batch. Use GroupNorm or LayerNorm, or a larger part so the "
-            f"statistics are close; silence this with warnings.filterwarnings('ignore', message='{cls_name}: the "
-            f"network has batch normalisation').", UserWarning, stacklevel=3)
+            f"{cls_name}: the network has batch normalisation ({', '.join(cells)}), which with {split} trains exactly "
+            f"like the full batch only with batch_norm='frozen' (normalised with the moving statistics, none updated); "
+            f"with the default batch_norm='per_step' each part is normalised by its own statistics and the moving "
+            f"statistics move once per optimizer step, from all parts combined (the first BatchNorm layer's as the "
+            f"full batch's), and with batch_norm='micro' once per part. Pass batch_norm= to choose (which silences "
+            f"this), or use GroupNorm or LayerNorm; or silence it with warnings.filterwarnings('ignore', "
+            f"message='{cls_name}: the network has batch normalisation').", UserWarning, stacklevel=3)
