@@ -203,7 +203,7 @@ def test_validation_batch_norm_is_warned_once_with_names_and_fix():
     messages = [str(w.message) for w in record if "batch normalisation" in str(w.message)]
     assert len(messages) == 1
     assert "1 (BatchNorm1d)" in messages[0] and "micro_size=4" in messages[0]
-    assert "moving averages are updated once per part" in messages[0] and "GroupNorm or LayerNorm" in messages[0]
+    assert "only with batch_norm='frozen'" in messages[0] and "GroupNorm or LayerNorm" in messages[0]
 
 
 def test_validation_no_warning_without_batch_norm_or_when_silenced():

@@ -15,6 +15,8 @@ from ms_gradaccum.cells.binding import BoundCell
 from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
 from ms_gradaccum.cells.grad_accumulation import DataParallelParts, GradAccumulationCell, data_parallel_module
 from ms_gradaccum.core import buffers as _buffers
+from ms_gradaccum.core.batch_norm import DEFAULT as BATCH_NORM_DEFAULT
+from ms_gradaccum.core.batch_norm import check_batch_norm, freeze, moving_statistics
 from ms_gradaccum.core.buffers import GradientBuffers
 from ms_gradaccum.core.engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum.core.kinds import LossKind, LossSpec, RowMean, SpecFields, declares_kind
@@ -70,6 +72,8 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
         scale_sense (Union[None, float, Tensor, Cell]): The loss scale, or an ``nn.DynamicLossScaleUpdateCell`` /
             ``nn.FixedLossScaleUpdateCell``, as ``nn.TrainOneStepWithLossScaleCell`` takes it.
         max_grad_norm (float, optional): Clip the window's gradient to this global norm.
+        batch_norm (str, optional): As for :class:`GradAccumulationCell`; with ``'per_step'`` the moving statistics
+            move once per optimizer step, from every micro-batch of every batch of the window.
 
     Outputs:
         The batch's loss; with `scale_sense`, ``(loss, overflow, scale)``.
@@ -102,8 +106,9 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
                  shared_inputs: Optional[tuple] = None, steps_per_epoch: Optional[int] = None, scale_sense=None,
                  max_grad_norm: Optional[float] = None, reduction: Optional[str] = None,
                  min_count: Optional[float] = None, check_loss: Optional[bool] = None, kind: Optional[LossKind] = None,
-                 options: Optional[StepOptions] = None):
+                 options: Optional[StepOptions] = None, batch_norm: Optional[str] = None):
         check_cell(network, "network", _NAME)
+        batch_norm = _batch_norm_of(network, check_batch_norm(batch_norm, _NAME))
         options = StepOptions() if options is None else options
         if not isinstance(options, StepOptions):
             raise TypeError(argument_error(_NAME, "options", "None or an ms_gradaccum.cells.accumulating.StepOptions",
@@ -125,7 +130,12 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
             raise foreign
         splits = [f"micro_size={spec.micro_size} micro-batches"] if spec.micro_size > 1 else []
         splits += [f"accumulate_steps={accumulate_steps} batches per optimizer step"] if accumulate_steps > 1 else []
-        warn_where_inexact(loss_network, _NAME, splits)
+        if isinstance(network, GradAccumulationCell) and network.engine.combines_statistics:
+            network.engine.statistics.release()   # taken apart: this cell's engine combines them
+        statistics = moving_statistics(loss_network, batch_norm, _NAME, bool(splits))
+        if batch_norm == "frozen":
+            freeze(loss_network, _NAME)
+        warn_where_inexact(loss_network, _NAME, splits, batch_norm)
         spec = recognised(spec, loss_network, bool(splits))
         if scale_sense is not None and float(getattr(optimizer, "loss_scale", 1.0)) != 1.0:
             raise ValueError(
@@ -149,7 +159,10 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
             done_waiting(network)   # taken apart: it never compiles
         self.gradient_buffers = GradientBuffers(options.buffer_prefix)
         self.grad_sums = self.gradient_buffers.for_weights(self.weights)
-        self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, cls_name=_NAME, loss_scale=scale)
+        #: The BatchNorm choice in force (``batch_norm``; None given: 'per_step').
+        self.batch_norm = batch_norm or BATCH_NORM_DEFAULT
+        self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, cls_name=_NAME, loss_scale=scale,
+                                          statistics=statistics)
         self.engine.bind_targets(self.weights, self.grad_sums)   # the optimizer's parameters, as nn.TrainOneStepCell
         self.contract = ContractCheck.of(self.engine, loss_network, spec, _NAME)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).
@@ -173,8 +186,9 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
     def state(self) -> list:
         """The Parameters of the window's state: its buffers, the window (``accu_state.*``), the loss scale, and what a
         subclass keeps with :meth:`keep_state`."""
+        statistics = self.engine.statistics.state_parameters() if self.engine.combines_statistics else []
         return list(self.grad_sums) + self.window.state_parameters() + \
-            ([self.scale_sense] if self.loss_scaled else []) + list(self._kept_state)
+            ([self.scale_sense] if self.loss_scaled else []) + statistics + list(self._kept_state)
 
     def keep_state(self, name: str, parameter: Parameter) -> None:
         """For subclasses: keeps `parameter` (state of a hook, e.g. the last global norm) as the attribute `name`, in
@@ -316,6 +330,8 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
         # A scalar that exists only once the optimizer has run (or was skipped): the resets depend on it.
         done = ops.depend(ops.zeros((), mstype.int32), stepped)
         done = ops.depend(done, _buffers.zero_buffers(self.grad_sums, done))
+        if self.engine.combines_statistics:   # the window's BatchNorm statistics, once (core.batch_norm)
+            done = self.engine.statistics.apply(done)
         return ops.depend(overflow, window.reset(done, window_loss))
 
     def _step(self, mean):
@@ -391,6 +407,18 @@ def _loss_network(network: nn.Cell, given: dict) -> tuple:
                 f"{type(network).__name__} as '{name}'. Wrap the loss network in GradAccumulationCell last, or "
                 f"pass micro_size here: {_NAME}(loss_net, optimizer, accumulate_steps, micro_size=...).")
     return network, spec
+
+
+def _batch_norm_of(network: nn.Cell, given: Optional[str]) -> Optional[str]:
+    """The BatchNorm choice: `given`, or that of the GradAccumulationCell given as 'network'; both given must agree."""
+    if not isinstance(network, GradAccumulationCell) or not network.batch_norm_given:
+        return given
+    if given is not None and given != network.batch_norm:
+        raise ValueError(
+            f"For '{_NAME}', the argument 'batch_norm' is {given!r} but the GradAccumulationCell given as 'network' "
+            f"has batch_norm={network.batch_norm!r}. Give it once: either {_NAME}(loss_net, optimizer, "
+            f"accumulate_steps, batch_norm=...) or the GradAccumulationCell's.")
+    return network.batch_norm
 
 
 def _merged(spec: LossSpec, given: dict) -> LossSpec:

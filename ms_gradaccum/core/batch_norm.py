@@ -74,8 +74,8 @@ def freeze(network: nn.Cell, cls_name: str) -> list:
     unknown = [names[id(cell)] for cell in cells if not hasattr(cell, "use_batch_statistics")]
     if unknown:
         raise ValueError(
-            f"For '{cls_name}', the argument 'batch_norm' is 'frozen', but {', '.join(unknown)} of the network hold "
-            f"moving statistics without MindSpore's use_batch_statistics switch, so the cell cannot make them "
+            f"For '{cls_name}', the argument 'batch_norm' is 'frozen', but the network's cells {', '.join(unknown)} "
+            f"hold moving statistics without MindSpore's use_batch_statistics switch, so the cell cannot make them "
             f"normalise with their moving statistics. Give those cells that switch (or build them from "
             f"mindspore.nn.BatchNorm1d/BatchNorm2d), or pass batch_norm='per_step' or 'micro'.")
     for cell in cells:
@@ -233,8 +233,8 @@ def moving_statistics(network: nn.Cell, mode: Optional[str], cls_name: str, spli
             layers.append((path, cell, momentum))
     if unknown and mode == "per_step":
         raise ValueError(
-            f"For '{cls_name}', the argument 'batch_norm' is 'per_step', but {', '.join(unknown)} of the network hold "
-            f"moving statistics that the cell cannot tell how they are updated (only mindspore.nn.BatchNorm1d, "
+            f"For '{cls_name}', the argument 'batch_norm' is 'per_step', but the network's cells {', '.join(unknown)} "
+            f"hold moving statistics whose update the cell cannot read (only mindspore.nn.BatchNorm1d, "
             f"BatchNorm2d, BatchNorm3d and SyncBatchNorm are read). Pass batch_norm='micro' (each micro-batch updates "
             f"them) or 'frozen' (normalise with the moving statistics: exact), or build those cells from "
             f"MindSpore's BatchNorm.")
