@@ -327,3 +327,41 @@ def test_mindcv_sample_windows_train_as_one_larger_batch(tmp_path):
         assert (tmp_path / str(steps) / "result.log").exists()   # StateMonitor logged and validated
     assert found[4][1] == found[1][1] == 8
     assert abs(found[4][0] - found[1][0]) <= 1e-5 * found[1][0], found
+
+
+@pytest.mark.slow
+def test_mindcv_resnet18_batch_norm_frozen_trains_exactly_through_create_trainer():
+    # mindcv's resnet18 (BatchNorm after every convolution) through create_trainer(..., batch_norm="frozen"): 3 steps
+    # of SGD on windows of 4 batches of 4 equal 3 plain steps on the batches of 16 with the same frozen BatchNorm.
+    from mindcv.models import create_model   # pylint: disable=import-outside-toplevel
+
+    def resnet():
+        ms.set_seed(0)
+        np.random.seed(0)
+        return create_model("resnet18", num_classes=4, in_channels=3)
+
+    rng = np.random.RandomState(5)
+    x, y = rng.randn(48, 3, 32, 32).astype(np.float32), rng.randint(0, 4, 48).astype(np.int32)
+    reference, candidate = resnet(), resnet()
+    for cell in reference.cells_and_names():
+        if isinstance(cell[1], (nn.BatchNorm2d, nn.BatchNorm1d)):
+            cell[1].use_batch_statistics = False
+    initial = {p.name: p.asnumpy().copy() for p in reference.get_parameters()}
+    plain = nn.TrainOneStepCell(nn.WithLossCell(reference, nn.CrossEntropyLoss()),
+                                nn.SGD(reference.trainable_params(), 0.05))
+    plain.set_train()
+    for step in range(3):
+        plain(Tensor(x[step * 16:(step + 1) * 16]), Tensor(y[step * 16:(step + 1) * 16]))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*batch normalisation.*")   # chosen: not warned
+        model = create_trainer(candidate, nn.CrossEntropyLoss(), nn.SGD(candidate.trainable_params(), 0.05),
+                               {"accuracy"}, "O0", None, "fixed", gradient_accumulation_steps=4, batch_norm="frozen")
+    dataset = ds.NumpySlicesDataset({"image": x, "label": y}, shuffle=False).batch(4)
+    model.train(1, dataset, dataset_sink_mode=False)
+    expected = {p.name: p.asnumpy() for p in reference.get_parameters()}
+    actual = {p.name: p.asnumpy() for p in candidate.get_parameters()}
+    moved = max(float(np.abs(expected[n] - initial[n]).max()) for n in expected)
+    assert moved > 1e-3
+    gap = max(float(np.abs(expected[n] - actual[n]).max()) for n in expected)
+    assert gap < 1e-5 * max(1.0, moved) + 2e-6, gap
+    assert all(np.array_equal(expected[n], initial[n]) for n in expected if "moving" in n)   # unmoved

@@ -52,10 +52,11 @@ class TrainStep(AccumulatingTrainOneStepCell):
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, accumulate_steps: int, scale_sense,
                  ema: bool, ema_decay: float, clip_grad: bool, clip_value: float, drop_overflow_update: bool,
-                 steps_per_epoch: Optional[int] = None):
+                 steps_per_epoch: Optional[int] = None, batch_norm: Optional[str] = None):
         # mindcv's resume loads the network and optim_<model>.ckpt only: the window's state goes under the optimizer.
         super().__init__(network, optimizer, accumulate_steps, scale_sense=scale_sense,
                          max_grad_norm=clip_value if clip_grad else None, steps_per_epoch=steps_per_epoch,
+                         batch_norm=batch_norm,
                          options=StepOptions(skips_overflow=drop_overflow_update, state_under_optimizer=True))
         self.ema = ema
         self.ema_decay = ema_decay
@@ -113,7 +114,7 @@ def create_trainer(network: nn.Cell, loss: nn.Cell, optimizer: nn.Optimizer, met
                    amp_level: str, amp_cast_list: str, loss_scale_type: str, loss_scale: float = 1.0,
                    drop_overflow_update: bool = False, ema: bool = False, ema_decay: float = 0.9999,
                    clip_grad: bool = False, clip_value: float = 15.0, gradient_accumulation_steps: int = 1, *,
-                   steps_per_epoch: Optional[int] = None) -> Model:
+                   steps_per_epoch: Optional[int] = None, batch_norm: Optional[str] = None) -> Model:
     r"""
     mindcv's ``create_trainer`` (same arguments, a ``Model`` with mindcv's eval network and ``eval_indexes``) whose
     ``gradient_accumulation_steps`` trains exactly the full batch of each window's rows.
@@ -131,6 +132,9 @@ def create_trainer(network: nn.Cell, loss: nn.Cell, optimizer: nn.Optimizer, met
             The optimizer's learning-rate list must have one entry per optimizer step: :func:`create_scheduler`.
         steps_per_epoch (int, optional): Batches per epoch (keyword only). Default: ``None``: read from the dataset
             ``Model.train`` is given.
+        batch_norm (str, optional): What the network's BatchNorm cells do under accumulation (keyword only):
+            ``'per_step'``, ``'frozen'`` or ``'micro'``, as for :class:`~ms_gradaccum.GradAccumulationCell`. Default:
+            ``None`` (``'per_step'``, warned about where the network has BatchNorm).
 
     Returns:
         mindspore.Model.
@@ -162,7 +166,7 @@ def create_trainer(network: nn.Cell, loss: nn.Cell, optimizer: nn.Optimizer, met
     net_with_loss = add_loss_network(network, loss, amp_level)
     step = TrainStep(net_with_loss, optimizer, gradient_accumulation_steps, scale_sense, check_bool(ema, "ema", _NAME),
                      ema_decay, check_bool(clip_grad, "clip_grad", _NAME), clip_value, drop_overflow_update,
-                     steps_per_epoch).set_train()
+                     steps_per_epoch, batch_norm).set_train()
     return AccumulatingModel(step, eval_network=eval_network, metrics=metrics, eval_indexes=[0, 1, 2])
 
 

@@ -74,7 +74,8 @@ _OPTIONS = StepOptions(buffer_prefix=BUFFER_PREFIX, scale_update_cells=SCALE_MAN
 MINDFORMERS_KEYS = ("use_clip_grad", "max_grad_norm", "scale_sense", "local_norm", "calculate_per_token_loss",
                     "global_norm_spike_threshold", "use_skip_data_by_global_norm", "print_separate_loss",
                     "lr_scheduler", "grouped_lr_scheduler")
-PACKAGE_KEYS = ("micro_size", "accumulate_steps", "per_token_loss", "shared_inputs", "steps_per_epoch", "check_loss")
+PACKAGE_KEYS = ("micro_size", "accumulate_steps", "per_token_loss", "shared_inputs", "steps_per_epoch", "check_loss",
+                "batch_norm")
 
 
 class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
@@ -107,6 +108,8 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
         shared_inputs (Union[int, tuple[int]], optional): Inputs every micro-batch receives whole (see
             :class:`~ms_gradaccum.GradAccumulationCell`). Default: ``None``.
         steps_per_epoch (int, optional): Closes each epoch's last window at its last batch. Default: ``None``.
+        batch_norm (str, optional): What BatchNorm cells do under accumulation (see
+            :class:`~ms_gradaccum.GradAccumulationCell`). Default: ``None``.
         \*\*mindformers_keys: MindFormers' keys above; any other key is an error naming it.
 
     Outputs:
@@ -126,7 +129,7 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, micro_size: int = 1, accumulate_steps: int = 1,
                  per_token_loss: Optional[bool] = None, shared_inputs=None, steps_per_epoch: Optional[int] = None,
-                 check_loss: bool = True, **mindformers_keys):
+                 check_loss: bool = True, batch_norm: Optional[str] = None, **mindformers_keys):
         keys = _mindformers_keys(mindformers_keys)
         if not is_legacy_model():
             raise ValueError(
@@ -138,7 +141,8 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
         per_token_loss = _loss_kind(per_token_loss, keys["calculate_per_token_loss"])
         super().__init__(network, optimizer, accumulate_steps, micro_size=micro_size, per_token_loss=per_token_loss,
                          shared_inputs=shared_inputs, steps_per_epoch=steps_per_epoch,
-                         scale_sense=keys["scale_sense"], check_loss=check_loss, options=_OPTIONS)
+                         scale_sense=keys["scale_sense"], check_loss=check_loss, batch_norm=batch_norm,
+                         options=_OPTIONS)
         self.use_clip_grad = keys["use_clip_grad"]
         self.skip_by_global_norm = keys["use_skip_data_by_global_norm"]
         self.measure_norm = self.use_clip_grad or self.skip_by_global_norm

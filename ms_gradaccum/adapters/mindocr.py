@@ -43,7 +43,7 @@ class TrainOneStepWrapper(ZooTrainOneStepWrapper):
             ``nn.DynamicLossScaleUpdateCell`` or ``nn.FixedLossScaleUpdateCell``; `ema`: mindocr's ``EMA`` or anything
             with ``ema_update()``; `updates`: only 0, as mindocr ignores it; `verbose`: only False, as mindocr stores it
             and prints nothing with it).
-        micro_size, per_token_loss, shared_inputs, steps_per_epoch, check_loss: As for
+        micro_size, per_token_loss, shared_inputs, steps_per_epoch, check_loss, batch_norm: As for
             :class:`~ms_gradaccum.AccumulatingTrainOneStepCell` (keyword only).
 
     Outputs:

@@ -24,7 +24,7 @@ class ZooTrainOneStepWrapper(AccumulatingTrainOneStepCell):
                  drop_overflow_update: bool = True, gradient_accumulation_steps: int = 1, clip_grad: bool = False,
                  clip_norm: float = 1.0, verbose: bool = False, *, micro_size: Optional[int] = None,
                  per_token_loss: Optional[bool] = None, shared_inputs=None, steps_per_epoch: Optional[int] = None,
-                 check_loss: Optional[bool] = None):
+                 check_loss: Optional[bool] = None, batch_norm: Optional[str] = None):
         name = self.zoo_name
         if ema is not None and not (isinstance(ema, self.ema_types) if self.ema_types else
                                     callable(getattr(ema, "ema_update", None))):
@@ -51,7 +51,7 @@ class ZooTrainOneStepWrapper(AccumulatingTrainOneStepCell):
         super().__init__(network, optimizer, gradient_accumulation_steps, micro_size=micro_size,
                          per_token_loss=per_token_loss, shared_inputs=shared_inputs, steps_per_epoch=steps_per_epoch,
                          scale_sense=scale_sense, max_grad_norm=clip_norm if clip_grad else None,
-                         check_loss=check_loss,
+                         check_loss=check_loss, batch_norm=batch_norm,
                          # the zoos' resume loads the network and the optimizer only
                          options=StepOptions(skips_overflow=drop_overflow_update, state_under_optimizer=True))
         self.ema = ema

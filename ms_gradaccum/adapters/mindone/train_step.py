@@ -31,7 +31,7 @@ class TrainOneStepWrapper(ZooTrainOneStepWrapper):
         verbose (bool): Only ``False``: mindone's wrapper stores it and prints nothing with it.
         updates (int): Accepted as mindone's, which ignores it; only 0: give the count to ``EMA(updates=...)``.
         zero_helper: Only ``None`` (ZeRO is refused: it shards the gradients the window sums).
-        micro_size, per_token_loss, shared_inputs, steps_per_epoch, check_loss: As for
+        micro_size, per_token_loss, shared_inputs, steps_per_epoch, check_loss, batch_norm: As for
             :class:`~ms_gradaccum.AccumulatingTrainOneStepCell` (keyword only).
 
     Outputs:
@@ -55,7 +55,8 @@ class TrainOneStepWrapper(ZooTrainOneStepWrapper):
                  updates: int = 0, drop_overflow_update: bool = True, gradient_accumulation_steps: int = 1,
                  clip_grad: bool = False, clip_norm: float = 1.0, verbose: bool = False, zero_helper=None, *,
                  micro_size: Optional[int] = None, per_token_loss: Optional[bool] = None, shared_inputs=None,
-                 steps_per_epoch: Optional[int] = None, check_loss: Optional[bool] = None):
+                 steps_per_epoch: Optional[int] = None, check_loss: Optional[bool] = None,
+                 batch_norm: Optional[str] = None):
         if zero_helper is not None:
             raise ValueError(
                 f"For '{_NAME}', the argument 'zero_helper' must be None, but got {type(zero_helper).__name__}: ZeRO "
@@ -64,4 +65,4 @@ class TrainOneStepWrapper(ZooTrainOneStepWrapper):
         super().__init__(network, optimizer, scale_sense, ema, updates, drop_overflow_update,
                          gradient_accumulation_steps, clip_grad, clip_norm, verbose, micro_size=micro_size,
                          per_token_loss=per_token_loss, shared_inputs=shared_inputs, steps_per_epoch=steps_per_epoch,
-                         check_loss=check_loss)
+                         check_loss=check_loss, batch_norm=batch_norm)
