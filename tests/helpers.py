@@ -41,6 +41,13 @@ def make_convnet(seed: int = 0, classes: int = 4) -> nn.Cell:
     return _seeded(net, seed)
 
 
+def make_bn_mlp(momentum: float = 0.9, seed: int = 0) -> nn.Cell:
+    """A small MLP for ``(N, 5)`` inputs with two BatchNorm1d layers (training mode moves their moving statistics)."""
+    return _seeded(nn.SequentialCell(nn.Dense(5, 8), nn.BatchNorm1d(8, momentum=momentum), nn.ReLU(),
+                                     nn.Dense(8, 8), nn.BatchNorm1d(8, momentum=momentum), nn.ReLU(),
+                                     nn.Dense(8, 3)), seed)
+
+
 def _seeded(net: nn.Cell, seed: int) -> nn.Cell:
     rng = np.random.RandomState(seed)
     for param in net.trainable_params():

@@ -293,3 +293,18 @@ def test_data_parallel_without_init_is_a_clear_error(tmp_path):
     assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
     assert ("RuntimeError: For 'GradAccumulationCell', the parallel mode is data_parallel but "
             "mindspore.communication.init() has not been called") in done.stderr, done.stderr[-2000:]
+
+
+def test_data_parallel_batch_norm_per_step_moves_each_rank_as_plain_data_parallel(data_parallel):
+    # Plain data parallel normalises each rank's own batch: with batch_norm='per_step' each rank's moving statistics
+    # move once per step from its own micro-batches combined, as the plain step on that rank's batch moves them.
+    for rank, arrays in enumerate(data_parallel):
+        plain, accumulated = _params(arrays, "bn_plain"), _params(arrays, "bn_accu")
+        assert sorted(plain) == sorted(accumulated) and len(plain) == 4, sorted(plain)
+        first = [name for name in plain if name.startswith("1.")]   # the first BatchNorm layer
+        assert len(first) == 2, sorted(plain)
+        for name in first:
+            assert np.abs(plain[name] - accumulated[name]).max() < 2e-6, (rank, name)
+    # The ranks' batches differ, so do their statistics (each rank its own, as plain data parallel).
+    name = next(name for name in _params(data_parallel[0], "bn_plain") if "moving_mean" in name)
+    assert np.abs(_params(data_parallel[0], "bn_plain")[name] - _params(data_parallel[1], "bn_plain")[name]).max() > 0.1

@@ -27,7 +27,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.batch_norm import watch
 from ms_gradaccum._mindspore.graph import primexpr
-from ms_gradaccum.core.validation import argument_error, batch_norm_cells
+from ms_gradaccum.core.validation import argument_error, batch_norm_cells, is_batch_statistic
 
 MODES = ("per_step", "frozen", "micro")
 DEFAULT = "per_step"
@@ -46,14 +46,15 @@ def check_batch_norm(value, cls_name: str) -> Optional[str]:
 
 
 def statistics_cells(network: nn.Cell) -> list:
-    """``[(path, cell)]``: the cells of `network` that own moving statistics (``moving_mean`` and ``moving_variance``)
-    and normalise with batch statistics in training (``use_batch_statistics`` not False)."""
+    """``[(path, cell)]``: the cells of `network` that own moving statistics (``moving_mean`` and ``moving_variance``,
+    as ``core.validation.is_batch_statistic`` names them) and normalise with batch statistics in training
+    (``use_batch_statistics`` not False)."""
     found = []
     for name, cell in network.cells_and_names():
-        own = {param.name.split(".")[-1] for param in cell.get_parameters(expand=False)}
-        if {"moving_mean", "moving_variance"} <= own or isinstance(cell, KNOWN_CELLS):
-            if getattr(cell, "use_batch_statistics", None) is not False:
-                found.append((name or "network", cell))
+        own = [param.name for param in cell.get_parameters(expand=False) if is_batch_statistic(param.name)]
+        batch_statistics = getattr(cell, "use_batch_statistics", None) is not False
+        if (len(own) >= 2 or isinstance(cell, KNOWN_CELLS)) and batch_statistics:
+            found.append((name or "network", cell))
     return found
 
 

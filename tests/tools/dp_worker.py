@@ -25,7 +25,8 @@ from mindspore.communication import get_group_size, get_rank, init
 from mindspore.train import Model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/, for helpers
-from helpers import (ce, classification_batches, classification_dataset, make_mlp, make_optimizer,  # noqa: E402
+from helpers import (ce, classification_batches, classification_dataset, make_bn_mlp, make_mlp,  # noqa: E402
+                     make_optimizer,
                      make_token_net, params_of, RecordLoss, token_batches, TokenLoss, ZerosLikeLoss)
 from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell  # noqa: E402
 
@@ -105,6 +106,21 @@ def _other_paths(rank: int, group: int) -> dict:
                                   make_optimizer("momentum", ce_net.trainable_params()))
     ce_losses = [float(ce_step(Tensor(x), Tensor(y)).asnumpy()) for x, y in ce_batches]
 
+    # BatchNorm in training mode, batch_norm='per_step', against plain data parallel (each rank normalising its own
+    # batch) on the same ranks: the moving statistics of each rank (SGD lr 0: the same weights in both).
+    bn_rng = np.random.RandomState(20 + rank)
+    bn_batches = [(Tensor((bn_rng.randn(BATCH, 5) * 2 + 1 + rank).astype(np.float32)),
+                   Tensor(bn_rng.randint(0, 3, BATCH).astype(np.int32))) for _ in range(STEPS)]
+    bn_arrays = {}
+    for name, wrap in (("bn_plain", lambda loss_net: loss_net),
+                       ("bn_accu", lambda loss_net: GradAccumulationCell(loss_net, 3, batch_norm="per_step"))):
+        bn_net = make_bn_mlp()
+        bn_step = nn.TrainOneStepCell(wrap(nn.WithLossCell(bn_net, ce())), nn.SGD(bn_net.trainable_params(), 0.0))
+        bn_step.set_train()
+        for x, y in bn_batches:
+            bn_step(x, y)
+        bn_arrays.update({f"{name}:{p.name}": p.asnumpy() for p in bn_net.get_parameters() if "moving" in p.name})
+
     arrays = {"loop_losses": np.array(loop_losses), "ce_losses": np.array(ce_losses),
               "steps_losses": np.array(steps_losses), "clip_losses": np.array(clip_losses),
               "bprop_losses": np.array(bprop_losses),
@@ -120,6 +136,7 @@ def _other_paths(rank: int, group: int) -> dict:
                            ("window_param", params_of(window_net)), ("bprop_param", params_of(bprop_net)),
                            ("ce_param", params_of(ce_net))):
         arrays.update({f"{prefix}:{name}": value for name, value in values.items()})
+    arrays.update(bn_arrays)
     return arrays
 
 
