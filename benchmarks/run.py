@@ -42,6 +42,9 @@ FULL = {"mlp": dict(batch=16384, micro_sizes=[1, 2, 4, 8, 16, 32, 64], mindspore
         # Parameter-heavy: four 1536-wide Dense layers (7.1 M parameters, 27 MB), micro-batches of 16 at K=8.
         "wide": dict(batch=128, micro_sizes=[1, 2, 4, 8, 16], mindspore=[2, 8], steps=5)}
 QUICK = {"mlp": dict(batch=4096, micro_sizes=[1, 8, 64], mindspore=[8], steps=3)}
+# BatchNorm's cost: batch_norm='per_step' (GradAccumulationCell's default) beside 'micro' (each micro-batch's own
+# update, as before batch_norm= existed) on a conv net with 4 BatchNorm2d layers, in training mode; in both runs.
+BATCH_NORM = {"convbn": dict(batch=64, micro_size=4, steps=20)}
 # Compile time: (kind, micro_size, batch) per language model. 16 rows in 4 micro-batches divide evenly; 18 rows give
 # micro-batches of 5, 5, 4, 4 (two shapes); batch 4 is one micro-batch (K plain steps' time); K=2 vs K=64 on 64 rows is
 # the compile time's flatness in micro_size (K=2, not 1: the loss contract's check needs two micro-batches);
@@ -71,6 +74,10 @@ ACTIVATION_HEAVY = ("mlp", "conv")
 def configurations(spec: Dict, with_torch: bool) -> List[tuple]:
     """(framework, kind, micro_size, batch) for one model."""
     batch = spec["batch"]
+    if "micro_size" in spec:   # BATCH_NORM's: full batch, memory floor, both BatchNorm choices at one micro_size
+        k = spec["micro_size"]
+        return [("mindspore", "plain", 1, batch), ("mindspore", "plain", 1, batch // FLOOR_K),
+                ("mindspore", "accumulate", k, batch), ("mindspore", "accumulate_bn_micro", k, batch)]
     configs = [("mindspore", "plain", 1, batch), ("mindspore", "plain", 1, batch // FLOOR_K)]
     configs += [("mindspore", "accumulate", k, batch) for k in spec["micro_sizes"]]
     configs += [("mindspore", "mindspore", k, batch) for k in spec["mindspore"]]
@@ -121,6 +128,7 @@ def label(row: dict) -> str:
             "mindspore": f"nn.GradAccumulationCell K={row['micro_size']} (unrolled)",
             "steps": f"AccumulatingTrainOneStepCell steps={row['micro_size']}",
             "tokens": f"GradAccumulationCell K={row['micro_size']}, (loss_sum, count) network",
+            "accumulate_bn_micro": f"GradAccumulationCell K={row['micro_size']}, batch_norm='micro'",
             "plain_o2": "fp16 (O2) plain full batch (ratios to this)",
             "accumulate_o2": f"fp16 (O2) GradAccumulationCell K={row['micro_size']} (ratios to fp16 full)"}[row["kind"]]
 
@@ -186,7 +194,7 @@ def targets(rows: List[dict]) -> List[str]:
                        f"{floor['rss_growth_mb']:.0f} "
                        f"MB -> {'met' if k8['rss_growth_mb'] <= 2 * floor['rss_growth_mb'] else 'MISSED'} "
                        f"({k8['rss_growth_mb'] / floor['rss_growth_mb']:.2f}x)")
-        if full:
+        if full and model not in BATCH_NORM:   # the BatchNorm model has a target of its own (below)
             ratios = [(r["micro_size"], r["steady_step_s"] / full["steady_step_s"]) for r in ms_rows
                       if r["kind"] == "accumulate" and 2 <= r["micro_size"] <= 16]
             if ratios:
@@ -215,6 +223,13 @@ def targets(rows: List[dict]) -> List[str]:
                        f"{k8['above_floor_x_weights']:+.2f}x the weights ({k8['weight_mb']:.1f} "
                        f"MB){verdict}{steps_part}"
                        f"{torch_part}")
+        per_step, micro = get("accumulate"), get("accumulate_bn_micro")
+        if per_step and micro and model in BATCH_NORM:
+            ratio = per_step["steady_step_s"] / micro["steady_step_s"]
+            out.append(f"{model}: batch_norm='per_step' vs 'micro', K={per_step['micro_size']}: step "
+                       f"{per_step['steady_step_s']:.3f} vs {micro['steady_step_s']:.3f} s = {ratio:.2f}x -> "
+                       f"{'met' if ratio <= 1.05 else 'MISSED'} (target <= 1.05x); Parameters "
+                       f"{per_step['param_mb'] - micro['param_mb']:+.4f} MB")
         tokens = get("tokens", FLOOR_K)
         if tokens and k8 and tokens.get("pool_peak_mb") and k8.get("pool_peak_mb"):
             out.append(f"{model}: token path (loss_sum, count) vs mean loss, both K={FLOOR_K}: pool peak "
@@ -438,7 +453,7 @@ def main(argv=None) -> int:
         print("PyTorch is not installed: its rows are skipped (pip install torch==2.13.0 to include them).")
     if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
         parser.error("the plots need matplotlib (pip install -e \".[bench]\"), or pass --no-plots")
-    specs = QUICK if args.quick else FULL
+    specs = dict(QUICK if args.quick else FULL, **BATCH_NORM)
     started = time.perf_counter()
     rows = []
     for model, spec in specs.items():

@@ -4,6 +4,8 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
   FRAMEWORK  mindspore | torch
   MODEL      mlp (activation-heavy) | conv | wide (parameter-heavy: four 1536-wide Dense layers, 27 MB)
              | wide1024 (the same with 1024-wide layers, 12 MB: the tests' size)
+             | convbn (a conv net with BatchNorm2d after each of its 4 convolutions of 16 channels, 3x8x8 images:
+             batch_norm's cost)
              | lm2, lm6, lm24, lmN (a transformer language model, d_model 128, 4 heads, sequence 64, vocabulary 512,
              with N MindSpore nn.TransformerEncoderLayer layers: what compile time is measured on)
   KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
@@ -16,6 +18,8 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
              | floor (language model only: the least an accumulating step can compile to, not the product; see
              floor_cell)
              | tokens (GradAccumulationCell, MICRO_SIZE, on a network returning (loss_sum, count))
+             | accumulate_bn_micro (GradAccumulationCell, MICRO_SIZE, batch_norm='micro': BatchNorm's own update per
+             micro-batch, beside accumulate's default 'per_step'; convbn only; both in training mode)
              | plain_o2 | accumulate_o2 (the same in mixed precision: amp O2 float16 compute, float32
              weights, loss scale 2**10 as Model's FixedLossScaleManager applies it)
              torch: plain | accumulate (the standard loop: loss / K, backward per micro-batch, one step)
@@ -168,7 +172,8 @@ def _data(model: str, batch: int):
     if model.startswith("lm"):
         ids = rng.randint(0, LM_VOCAB, (batch, LM_SEQ + 1)).astype(np.int32)
         return ids[:, :-1].copy(), ids[:, 1:].copy()
-    shape = (batch, DENSE[model][0]) if model in DENSE else (batch, 1, 28, 28)
+    shape = (batch, DENSE[model][0]) if model in DENSE else (batch, 3, 8, 8) if model == "convbn" else \
+        (batch, 1, 28, 28)
     return rng.randn(*shape).astype(np.float32), rng.randint(0, CLASSES, batch).astype(np.int32)
 
 
@@ -203,6 +208,12 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         inputs, width = DENSE[model]
         net = nn.SequentialCell(nn.Dense(inputs, width), nn.ReLU(), nn.Dense(width, width), nn.ReLU(),
                                 nn.Dense(width, width), nn.ReLU(), nn.Dense(width, CLASSES))
+    elif model == "convbn":
+        layers, channels = [], 3
+        for _ in range(4):
+            layers += [nn.Conv2d(channels, 16, 3, pad_mode="same"), nn.BatchNorm2d(16), nn.ReLU()]
+            channels = 16
+        net = nn.SequentialCell(*layers, nn.AvgPool2d(8, 8), nn.Flatten(), nn.Dense(16, CLASSES))
     else:
         net = nn.SequentialCell(nn.Conv2d(1, 16, 3, pad_mode="same"), nn.ReLU(), nn.Conv2d(16, 32, 3, pad_mode="same"),
                                 nn.ReLU(), nn.MaxPool2d(2, 2), nn.Flatten(), nn.Dense(32 * 14 * 14, CLASSES))
@@ -242,6 +253,8 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
     else:
         if kind in ("accumulate", "accumulate_in_graph"):
             loss_net = GradAccumulationCell(loss_net, micro_size, per_token_loss=per_token_loss)
+        elif kind == "accumulate_bn_micro":
+            loss_net = GradAccumulationCell(loss_net, micro_size, batch_norm="micro")
         elif kind == "accumulate_unchecked":   # without the loss contract's check (its forward copy): what it costs
             loss_net = GradAccumulationCell(loss_net, micro_size, check_loss=False)
         elif kind == "mindspore":
@@ -255,6 +268,8 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
                 subclass may change them), so it checks the loss contract inside the graph."""
             train_cell = OwnTrainCell
         cell = train_cell(loss_net, optimizer, sens=sens)
+        if model == "convbn":
+            cell.set_train()   # BatchNorm on batch statistics, moving its moving ones (as Model.train sets it)
         step = lambda: cell(tx, ty).asnumpy()  # noqa: E731
         compile_inputs = (tx, ty)
     # Cell.compile builds the graph the first call then finds in MindSpore's cache (same cell, same input shapes).
