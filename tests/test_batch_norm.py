@@ -335,3 +335,35 @@ def test_batch_norm_per_step_under_mixed_precision_o2():
     for x, y in _batches(False)[:1]:
         step(x, y)
     assert _gap(expected[:1], [_moving(other)]) > 1e-2
+
+
+def test_batch_norm_per_step_with_one_row_micro_batches():
+    # 5 rows in 4 micro-batches: 2, 1, 1, 1. The kernel's unbiased variance of one row is 0/0 (its moving variance
+    # becomes NaN in a plain step on one row); a one-row micro-batch adds no deviation of its own to the step's.
+    batches = _batches(False, steps=2, rows=5, seed=6)
+    expected, actual, _, _ = _twin_runs(_dense_bn, batches, _grad_accumulation("per_step"))
+    assert all(np.isfinite(a).all() for pair in actual for a in pair)
+    assert _gap(expected, actual) < 2e-6, _gap(expected, actual)
+
+
+class _TokensThenNorm(nn.Cell):
+    """(B, T, 5) -> Dense -> (B * T, 8) -> BatchNorm1d -> the mean over T: a BatchNorm whose input merges the batch
+    axis with another."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.norm, self.head = nn.Dense(5, 8), nn.BatchNorm1d(8), nn.Dense(8, 3)
+
+    def construct(self, x):
+        rows, tokens = x.shape[0], x.shape[1]
+        h = self.norm(self.dense(x.reshape(rows * tokens, 5)))
+        return self.head(h).reshape(rows, tokens, 3).mean(1)
+
+
+def test_batch_norm_per_step_where_the_batch_axis_is_merged_with_another():
+    rng = np.random.RandomState(7)
+    batches = [(ms.Tensor((rng.randn(10, 3, 5) * 2 + 1).astype(np.float32)),
+                ms.Tensor(rng.randint(0, 3, 10).astype(np.int32))) for _ in range(2)]   # split 3, 3, 2, 2
+    make = lambda: _seeded(_TokensThenNorm(), 0)   # noqa: E731
+    expected, actual, _, _ = _twin_runs(make, batches, _grad_accumulation("per_step"))
+    assert _gap(expected, actual) < 2e-6, _gap(expected, actual)

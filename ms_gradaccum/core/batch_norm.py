@@ -85,28 +85,49 @@ def freeze(network: nn.Cell, cls_name: str) -> list:
 
 
 class _Seen:
-    """What one BatchNorm cell's input check saw when a graph holding it last compiled (``_mindspore.batch_norm``):
-    its input's shape, and whether it normalised with batch statistics (so updated its moving ones)."""
+    """What one BatchNorm cell's input check saw while graphs holding it compiled (``_mindspore.batch_norm``): per
+    leading dimension of its input, the input's shape and whether it normalised with batch statistics (so updated its
+    moving ones). Kept per leading dimension, not as the last shape seen: a batch that splits unevenly compiles the
+    network for two micro-batch sizes, and each loop body reads the shape of its own rows whatever the order in which
+    MindSpore compiles and reads them."""
 
-    def __init__(self):
-        self.shape = None
-        self.updates = False
+    def __init__(self, path: str):
+        self.path = path
+        self.by_rows = {}
 
     def __call__(self, shape: tuple, training: bool, use_batch_statistics) -> None:
-        self.shape = shape
-        self.updates = use_batch_statistics is True or (use_batch_statistics is None and training)
+        if shape:
+            self.by_rows[shape[0]] = (shape, use_batch_statistics is True or
+                                      (use_batch_statistics is None and training))
+
+    def elements(self, rows: int, channels: int) -> int:
+        """The elements per channel of the cell's input for a micro-batch of `rows` rows (0: the cell did not update its
+        moving statistics there, or did not run): among the inputs it normalised with batch statistics (not the loss
+        contract's eager passes, in inference mode), the one whose leading dimension is `rows` (a batch axis), or the
+        one multiple of it (rows merged with another axis, ``(B * T, C)``); several multiples stop."""
+        training = {first: shape for first, (shape, updates) in self.by_rows.items() if updates}
+        shape = training.get(rows)
+        if shape is None:
+            multiples = [shape for first, shape in training.items() if first > rows and first % rows == 0]
+            if len(multiples) > 1:
+                raise ValueError(
+                    f"For the BatchNorm cell {self.path}, batch_norm='per_step' cannot tell which of its inputs "
+                    f"({', '.join(str(shape) for shape in multiples)}) a micro-batch of {rows} rows gives: its "
+                    f"input's leading axis is not the batch axis. Pass batch_norm='micro' or 'frozen'.")
+            shape = multiples[0] if multiples else None
+        if shape is None:
+            return 0
+        size = 1
+        for dim in shape:
+            size *= dim
+        return size // channels
 
 
 @primexpr
 def _elements(seen: _Seen, channels: int, rows: int, after: tuple) -> int:
-    """The elements per channel of the cell's input in the loop body just compiled (0: it did not update its moving
-    statistics there). `rows` and `after` (the micro-batch's loss shape) order this after that body's compile."""
-    if seen.shape is None or not seen.updates:
-        return 0
-    size = 1
-    for dim in seen.shape:
-        size *= dim
-    return size // channels
+    """:meth:`_Seen.elements` while the loop body of `rows`-row micro-batches compiles; `after` (the micro-batch's
+    loss shape) orders this after the body's network."""
+    return seen.elements(rows, channels)
 
 
 class MovingStatistics(nn.Cell):
@@ -134,7 +155,7 @@ class MovingStatistics(nn.Cell):
             squares.append(self._buffer(f"{path}.m2", (channels,)))
             counts.append(self._buffer(f"{path}.count", ()))
         self.sums, self.squares, self.counts = ParameterTuple(sums), ParameterTuple(squares), ParameterTuple(counts)
-        seen = tuple(_Seen() for _ in layers)
+        seen = tuple(_Seen(path) for path in self.paths)
         object.__setattr__(self, "seen", seen)
         undo = [watch(cell, one) for (_, cell, _), one in zip(layers, seen)]
         # Undo: the cells' input checks are their class's again when this object goes (or on release()).
@@ -179,13 +200,15 @@ class MovingStatistics(nn.Cell):
         moved_mean = ops.cast(ops.depend(mean_param, ran), mstype.float32)
         moved_variance = ops.cast(ops.depend(variance_param, ran), mstype.float32)
         mean = before[0] + (moved_mean - before[0]) / momentum
-        unbiased = before[1] + (moved_variance - before[1]) / momentum
         # Chan et al.: the running (count, mean, sum of squared deviations) and this micro-batch's.
         count, total, squares = self.counts[index], self.sums[index], self.squares[index]
         together = count + elements
         delta = mean - total
-        ran = ops.depend(ran, ops.assign(squares, squares + unbiased * (elements - 1.0)
-                                         + delta * delta * (count * elements / together)))
+        unbiased = before[1] + (moved_variance - before[1]) / momentum
+        moved = squares + delta * delta * (count * elements / together)
+        if elements > 1:   # one element has no deviation of its own (the kernel's unbiased variance of it is 0/0)
+            moved = moved + unbiased * (elements - 1.0)
+        ran = ops.depend(ran, ops.assign(squares, moved))
         ran = ops.depend(ran, ops.assign(total, total + delta * (elements / together)))
         ran = ops.depend(ran, ops.assign(count, together))
         ran = ops.depend(ran, ops.assign(mean_param, ops.cast(before[0], mean_param.dtype)))
