@@ -44,7 +44,7 @@ FULL = {"mlp": dict(batch=16384, micro_sizes=[1, 2, 4, 8, 16, 32, 64], mindspore
 QUICK = {"mlp": dict(batch=4096, micro_sizes=[1, 8, 64], mindspore=[8], steps=3)}
 # BatchNorm's cost: batch_norm='per_step' (GradAccumulationCell's default) beside 'micro' (each micro-batch's own
 # update, as before batch_norm= existed) on a conv net with 4 BatchNorm2d layers, in training mode; in both runs.
-BATCH_NORM = {"convbn": dict(batch=64, micro_size=4, steps=20)}
+BATCH_NORM = {"convbn": dict(batch=128, micro_size=4, steps=6)}
 # Compile time: (kind, micro_size, batch) per language model. 16 rows in 4 micro-batches divide evenly; 18 rows give
 # micro-batches of 5, 5, 4, 4 (two shapes); batch 4 is one micro-batch (K plain steps' time); K=2 vs K=64 on 64 rows is
 # the compile time's flatness in micro_size (K=2, not 1: the loss contract's check needs two micro-batches);

@@ -4,7 +4,7 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
   FRAMEWORK  mindspore | torch
   MODEL      mlp (activation-heavy) | conv | wide (parameter-heavy: four 1536-wide Dense layers, 27 MB)
              | wide1024 (the same with 1024-wide layers, 12 MB: the tests' size)
-             | convbn (a conv net with BatchNorm2d after each of its 4 convolutions of 16 channels, 3x8x8 images:
+             | convbn (a conv net with BatchNorm2d after each of its 4 convolutions of 16 channels, 3x16x16 images:
              batch_norm's cost)
              | lm2, lm6, lm24, lmN (a transformer language model, d_model 128, 4 heads, sequence 64, vocabulary 512,
              with N MindSpore nn.TransformerEncoderLayer layers: what compile time is measured on)
@@ -172,7 +172,7 @@ def _data(model: str, batch: int):
     if model.startswith("lm"):
         ids = rng.randint(0, LM_VOCAB, (batch, LM_SEQ + 1)).astype(np.int32)
         return ids[:, :-1].copy(), ids[:, 1:].copy()
-    shape = (batch, DENSE[model][0]) if model in DENSE else (batch, 3, 8, 8) if model == "convbn" else \
+    shape = (batch, DENSE[model][0]) if model in DENSE else (batch, 3, 16, 16) if model == "convbn" else \
         (batch, 1, 28, 28)
     return rng.randn(*shape).astype(np.float32), rng.randint(0, CLASSES, batch).astype(np.int32)
 
@@ -213,7 +213,7 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         for _ in range(4):
             layers += [nn.Conv2d(channels, 16, 3, pad_mode="same"), nn.BatchNorm2d(16), nn.ReLU()]
             channels = 16
-        net = nn.SequentialCell(*layers, nn.AvgPool2d(8, 8), nn.Flatten(), nn.Dense(16, CLASSES))
+        net = nn.SequentialCell(*layers, nn.AvgPool2d(16, 16), nn.Flatten(), nn.Dense(16, CLASSES))
     else:
         net = nn.SequentialCell(nn.Conv2d(1, 16, 3, pad_mode="same"), nn.ReLU(), nn.Conv2d(16, 32, 3, pad_mode="same"),
                                 nn.ReLU(), nn.MaxPool2d(2, 2), nn.Flatten(), nn.Dense(32 * 14 * 14, CLASSES))

@@ -37,7 +37,7 @@ def test_bench_quick_mode_writes_table_json_and_plot(tmp_path):
     assert any(line.startswith("mlp: fp16 (O2, loss scale) K=8 vs fp16 full batch") for line in result["targets"])
     assert any(line.startswith("mlp: token path (loss_sum, count) vs mean loss") for line in result["targets"])
     # The BatchNorm model: batch_norm='per_step' beside 'micro', with its target line.
-    assert {("mindspore", "accumulate", 4, 64), ("mindspore", "accumulate_bn_micro", 4, 64)} <= \
+    assert {("mindspore", "accumulate", 4, 128), ("mindspore", "accumulate_bn_micro", 4, 128)} <= \
         {(row["framework"], row["kind"], row["micro_size"], row["batch"]) for row in result["rows"]
          if row["model"] == "convbn"}
     assert any(line.startswith("convbn: batch_norm='per_step' vs 'micro', K=4: step") for line in result["targets"])
