@@ -46,7 +46,9 @@ from ms_gradaccum.core.base import PrecisionNeutral, Unsaved
 from ms_gradaccum.core.kinds import IGNORE_INDEX, IgnoredLabelMean, RowMean
 from ms_gradaccum.core.microbatch import SPLIT, assemble, micro_batch_rows
 from ms_gradaccum.core.validation import batch_norm_cells, computes_in_float16, readable
+from ms_gradaccum.diagnostics import graph_contract
 from ms_gradaccum.diagnostics.eager import BatchRows, own_gradients_off, run_eagerly, runs_on, training_off
+from ms_gradaccum.diagnostics.graph_messages import LossContractError, decided
 
 # Relative tolerance of the value comparisons: float32 reductions in another order; float16 networks round far more.
 RTOL, RTOL_FLOAT16 = 1e-3, 2e-2
@@ -54,10 +56,6 @@ RTOL, RTOL_FLOAT16 = 1e-3, 2e-2
 # COUPLING of the largest gradient element are coupled to the changed ones (independent rows move by exactly 0.0).
 STEP, COUPLING = 0.1, 1e-4
 ONE = Tensor(1.0, mstype.float32)   # the passes' scale and count unit (the unit cancels in every comparison)
-
-
-class LossContractError(ValueError):
-    """The loss does not combine over micro-batches as the cell combines it (raised before any update)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +85,8 @@ class Findings:
     measured: float = float("nan")
     predicted: float = float("nan")
     not_finite: Optional[int] = None
+    read_from_graph: bool = False
+    graph: object = None
 
 
 def loss_name(network: nn.Cell) -> str:
@@ -275,7 +275,9 @@ class ContractCheck(PrecisionNeutral):
             return None
         self._refusable = refusable
         try:
-            findings = self.probe(engine, inputs)
+            findings = self.read_graph(engine, inputs)
+            if findings is None:
+                findings = self.probe(engine, inputs)
         except LossContractError as error:
             error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
             raise
@@ -295,6 +297,28 @@ class ContractCheck(PrecisionNeutral):
             return False
         return bool(inputs) and not any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape))
                                         for x in inputs)
+
+    def read_graph(self, engine: nn.Cell, inputs: tuple, public: bool = False) -> Optional[Findings]:
+        """The contract read from the loss network's graph (diagnostics.graph_contract), compiled for micro-batch 0's
+        inputs: raises :class:`LossContractError` where it shows the loss does not combine, else returns what it
+        found; None where the graph leaves it undecided and the network draws nothing random (the probe's value
+        comparison decides then)."""
+        if not self.reachable(inputs):
+            return None
+        batch = BatchRows(engine, inputs)
+        sizes = batch.micro_rows
+        if len(sizes) < 2:
+            return None
+        try:
+            reading = graph_contract.read(self._user_network, batch.rows(0, sizes[0]), tuple(batch.positions),
+                                          sizes[0])
+        except Exception:  # pylint: disable=broad-except
+            return None   # the network's own error: the eager passes report it with the split's context
+        kind = decided(self, reading, public)
+        if kind is None:
+            return None
+        return Findings(kind, None, (), reading.count_input, bool(reading.random), 0, batch.batch,
+                        read_from_graph=True, graph=reading)
 
     def probe(self, engine: nn.Cell, inputs: tuple, public: bool = False) -> Optional[Findings]:
         """The probe on `inputs` (see the module docstring): raises :class:`LossContractError` where the loss does not

@@ -1,0 +1,302 @@
+"""The rules of the batch-axis analysis (``diagnostics.batch_axis`` states their contract), one per primitive, in
+:data:`RULES`; :func:`analyse` walks a frontend graph (``_mindspore.frontend``) with them."""
+from typing import Optional
+
+import numpy as np
+
+from ms_gradaccum.diagnostics.batch_axis import (COMPARE, DEAD, SWAPPED, Context, Coupled, Fixed, Many, Reduced, Rows,
+                                                 Unknown, _first_dead, _rank, _scalar, _weights, elementwise)
+
+
+# --- the steps a count is replayed from (core.input_count.InputCountMean) --------------------------------------------
+
+def _compare_step(ctx: Context, index: int, others: list):
+    value = _scalar(others[0]) if others else None
+    if value is None:
+        return None
+    test = COMPARE[ctx.node.op]
+    return ("compare", test if index == 0 else SWAPPED[test], value)
+
+
+def _cast_step(ctx: Context, index: int, others: list):
+    return ("cast",) if index == 0 else None
+
+
+def _not_step(ctx: Context, index: int, others: list):
+    return ("not",)
+
+
+def _fill_step(ctx: Context, index: int, others: list):
+    """``MaskedFill(base, mask, value)`` of a uniform constant base (ops.cross_entropy's label weights)."""
+    if index != 1 or len(ctx.constants) < 3:
+        return None
+    base, value = ctx.constants[0], _scalar(ctx.constants[2])
+    if not isinstance(base, np.ndarray) or not base.size or value is None or not np.all(base == base.flat[0]):
+        return None
+    return ("fill", base.flat[0].item(), value)
+
+
+def _scale_step(ctx: Context, index: int, others: list):
+    value = _scalar(others[0]) if others else None
+    return None if value is None else ("scale", float(value))
+
+
+def _reshaped(ctx: Context):
+    """A reshape-like op (Reshape, ExpandDims, Squeeze, Flatten): where the rows go, from the shapes; rows merged with
+    the axes after them stay rows (``(B, T, V) -> (B*T, V)``: the first axis not of size 1 holds whole rows)."""
+    state = ctx.states[0]
+    if not isinstance(state, Rows):
+        return elementwise(ctx)
+    before, after = ctx.shapes[0], ctx.out_shape
+    if not isinstance(before, tuple) or not isinstance(after, tuple) or not after:
+        return Unknown(ctx.node.op, ctx.node.scope, "a reshape of shapes the graph does not state")
+    if int(np.prod(before[:state.axis])) != 1:
+        return Unknown(ctx.node.op, ctx.node.scope, "a reshape of rows that are not the outermost axis")
+    axis = next((a for a, size in enumerate(after) if size != 1), 0)
+    if after[axis] % ctx.rows:
+        return ctx.coupled("a reshape that splits the rows across axes")
+    chain = state.chain
+    if chain is not None:
+        chain = (chain[0], chain[1] + (("reshape", tuple(-1 if a == axis else d for a, d in enumerate(after))),))
+    return Rows(axis, state.weights, chain)
+
+
+def _transposed(ctx: Context):
+    state = ctx.states[0]
+    perm = ctx.constants[1] if len(ctx.constants) > 1 else None
+    if not isinstance(state, Rows):
+        return elementwise(ctx)
+    if not isinstance(perm, tuple):
+        return Unknown(ctx.node.op, ctx.node.scope, "a transpose of unknown order")
+    return Rows(tuple(p % len(perm) for p in perm).index(state.axis), state.weights)
+
+
+def _sliced(ctx: Context):
+    """StridedSlice: every row kept (the rows' axis whole) keeps the rows; a slice of the rows selects some of them."""
+    state = ctx.states[0]
+    if not isinstance(state, Rows):
+        return elementwise(ctx)
+    before, after = ctx.shapes[0], ctx.out_shape
+    if not isinstance(after, tuple) or len(after) != len(before) or after[state.axis] != before[state.axis]:
+        return ctx.coupled("a slice that selects some of the rows")
+    chain = state.chain
+    args = ctx.constants[1:9]
+    if chain is not None and state.axis == 0 and len(args) == 8 and all(isinstance(a, (tuple, int)) for a in args):
+        chain = (chain[0], chain[1] + (("slice",) + tuple(args),))
+    else:
+        chain = None
+    return Rows(state.axis, state.weights, chain)
+
+
+def _reduction(summing: bool, averaging: bool = False, axes_at: int = 1):
+    """Sum, mean or another reduction (max, min, prod, a norm) over the axes its constant input names."""
+    def rule(ctx: Context):
+        state = ctx.states[0]
+        if isinstance(state, DEAD) or isinstance(state, Reduced):
+            return state
+        if not isinstance(state, Rows):
+            return Fixed(state.weights if isinstance(state, Fixed) else False)
+        shape = ctx.shapes[0]
+        axes = ctx.axes(axes_at, _rank(shape)) if axes_at is not None else tuple(range(_rank(shape)))
+        if axes is None:
+            return Unknown(ctx.node.op, ctx.node.scope, "a reduction over axes the graph does not state")
+        if state.axis not in axes:
+            kept = _rank(ctx.out_shape) == _rank(shape)
+            return Rows(state.axis if kept else state.axis - sum(a < state.axis for a in axes), state.weights)
+        if not summing:
+            return ctx.coupled(f"{ctx.node.op} over the rows")
+        elements = int(np.prod([shape[a] for a in axes]))
+        chain = state.chain if not state.weights else None
+        return Reduced(frozenset({"mean" if averaging else "sum"}), state.weights, None if averaging else elements,
+                       None if averaging else chain)
+    return rule
+
+
+def _along(axis_at: int):
+    """An op along one axis (softmax, cumulative sums, sort, top-k): row-wise unless that axis carries the rows."""
+    def rule(ctx: Context):
+        state = ctx.states[0]
+        if not isinstance(state, Rows):
+            return elementwise(ctx)
+        axes = ctx.axes(axis_at, _rank(ctx.shapes[0])) if axis_at is not None else (_rank(ctx.shapes[0]) - 1,)
+        if axes is None or state.axis in axes:
+            return ctx.coupled(f"{ctx.node.op} along the rows")
+        rows = Rows(state.axis, state.weights)
+        return Many((rows,) * ctx.several) if ctx.several else rows
+    return rule
+
+
+def _matmul(transposes_at: Optional[int]):
+    """A matrix product: rows on a non-contracted axis of one operand (the other fixed), or on a batch axis of both,
+    stay rows; rows on a contracted axis, or meeting other rows, are coupled (a similarity over the batch)."""
+    def rule(ctx: Context):
+        dead = _first_dead(ctx.states[:2])
+        if dead is not None:
+            return dead
+        a, b = ctx.states[:2]
+        rank_a, rank_b, rank = _rank(ctx.shapes[0]), _rank(ctx.shapes[1]), _rank(ctx.out_shape)
+        flags = ctx.constants[transposes_at:transposes_at + 2] if transposes_at is not None else (False, False)
+        t_a, t_b = (bool(f) if isinstance(f, (bool, int)) else False for f in (tuple(flags) + (False, False))[:2])
+        where = []
+        for state, r, other, transposed in ((a, rank_a, "left", t_a), (b, rank_b, "right", t_b)):
+            if not isinstance(state, Rows):
+                continue
+            free = (r - 1 if transposed else r - 2) if other == "left" else (r - 2 if transposed else r - 1)
+            contracted = (r - 2 if transposed else r - 1) if other == "left" else (r - 1 if transposed else r - 2)
+            if r == 1 or state.axis == contracted:
+                return ctx.coupled("a matrix product over the rows")
+            if state.axis == free:
+                where.append(rank - 2 if other == "left" else rank - 1)
+            else:
+                where.append(rank - r + state.axis)
+        if not where:
+            return Fixed(_weights(ctx.states[:2]))
+        if len(where) == 2 and (where[0] != where[1] or where[0] >= rank - 2):
+            return ctx.coupled("a matrix product between rows (a similarity over the batch)")
+        return Rows(where[0], _weights(ctx.states[:2]))
+    return rule
+
+
+def _gathered(ctx: Context):
+    """Gather(table, indices, axis): a fixed table looked up by rows' indices (an embedding) gives rows; rows looked up
+    along another axis by fixed indices stay rows."""
+    table, indices = ctx.states[:2]
+    dead = _first_dead(ctx.states[:2])
+    if dead is not None:
+        return dead
+    axis = ctx.constants[2] if len(ctx.constants) > 2 and isinstance(ctx.constants[2], int) else 0
+    axis %= max(_rank(ctx.shapes[0]), 1)
+    if isinstance(table, Fixed) and isinstance(indices, Rows):
+        return Rows(axis + indices.axis, table.weights)
+    if isinstance(table, Rows) and isinstance(indices, Fixed) and table.axis != axis:
+        shift = _rank(ctx.shapes[1]) - 1 if table.axis > axis else 0
+        return Rows(table.axis + shift, table.weights or indices.weights)
+    if isinstance(table, Fixed) and isinstance(indices, Fixed):
+        return Fixed(table.weights)
+    return ctx.coupled("a gather along the rows")
+
+
+def _gathered_d(ctx: Context):
+    """GatherD(x, dim, index): element-wise along every axis but `dim`."""
+    dim = ctx.constants[1] if len(ctx.constants) > 1 and isinstance(ctx.constants[1], int) else None
+    x, index = ctx.states[0], ctx.states[2] if len(ctx.states) > 2 else Fixed()
+    for state in (x, index):
+        if isinstance(state, Rows) and (dim is None or state.axis == dim % _rank(ctx.shapes[0])):
+            return ctx.coupled("a gather along the rows")
+    inner = Context(ctx.node, [x, index], [ctx.shapes[0], ctx.shapes[2]], [None, None], ctx.rows)
+    return elementwise(inner)
+
+
+def _one_hot(ctx: Context):
+    state = ctx.states[0]
+    if not isinstance(state, Rows):
+        return elementwise(ctx)
+    axis = ctx.constants[-1] if isinstance(ctx.constants[-1], int) else -1
+    rank = _rank(ctx.out_shape)
+    return Rows(state.axis if axis % rank > state.axis else state.axis + 1, state.weights)
+
+
+def _joined(ctx: Context):
+    """Concat and Stack of a tuple (MakeTuple's Many) along an axis that does not carry the rows."""
+    items = ctx.states[0].items if isinstance(ctx.states[0], Many) else tuple(ctx.states[:1])
+    dead = _first_dead(items)
+    if dead is not None:
+        return dead
+    axis = ctx.constants[1] if len(ctx.constants) > 1 and isinstance(ctx.constants[1], int) else 0
+    rows = {s.axis for s in items if isinstance(s, Rows)}
+    if not rows:
+        return Fixed(_weights(items))
+    stacked = ctx.node.op == "Stack"
+    rank = _rank(ctx.out_shape)
+    out_axes = {a + (1 if stacked and a >= axis % rank else 0) for a in rows}
+    if len(rows) > 1 or (not stacked and axis % rank in rows):
+        return ctx.coupled(f"{ctx.node.op} along the rows")
+    return Rows(out_axes.pop(), _weights(items))
+
+
+def _split(ctx: Context):
+    state = ctx.states[0]
+    if not isinstance(state, Rows):
+        return Many((elementwise(ctx.first_output()),) * max(ctx.several, 1))
+    axis = next((c for c in ctx.constants[1:] if isinstance(c, int) and not isinstance(c, bool)), 0)
+    if axis % _rank(ctx.shapes[0]) == state.axis:
+        return ctx.coupled(f"{ctx.node.op} along the rows")
+    count = len(ctx.out_shape) if isinstance(ctx.out_shape, tuple) else 1
+    return Many((Rows(state.axis, state.weights),) * count)
+
+
+def _per_sample(ctx: Context):
+    """Convolutions, pooling, resizing, normalisation per sample (LayerNorm over the axes after the rows, GroupNorm):
+    row-wise with the rows first; BatchNorm too (its statistics over the batch are the separate, warned case)."""
+    dead = _first_dead(ctx.states)
+    if dead is not None:
+        return dead
+    state = ctx.states[0]
+    weights = _weights(ctx.states)
+    if not isinstance(state, Rows):
+        return Many((Fixed(weights),) * ctx.several) if ctx.several else Fixed(weights)
+    if state.axis != 0:
+        return Unknown(ctx.node.op, ctx.node.scope, "a per-sample op with the rows on another axis than the first")
+    if ctx.node.op == "LayerNorm" and isinstance(ctx.constants[3], int) and ctx.constants[3] % _rank(ctx.shapes[0]) == 0:
+        return ctx.coupled("a LayerNorm over the rows")
+    rows = Rows(0, weights)
+    if ctx.several:
+        return Many(tuple(rows if _rank(item.shape) and item.shape[0] == ctx.shapes[0][0] else Fixed(weights)
+                          for item in ctx.out_shape))
+    return rows
+
+
+def _loss_primitive(reduction_at: Optional[int], mean_by_default: bool = False):
+    """A loss primitive with a reduction argument ('none', 'mean', 'sum'; MindSpore's enum 0/1/2 as well)."""
+    def rule(ctx: Context):
+        dead = _first_dead(ctx.states)
+        if dead is not None:
+            return dead
+        rows = [s for s in ctx.states if isinstance(s, Rows)]
+        if not rows:
+            return Fixed(_weights(ctx.states))
+        if any(s.axis != 0 for s in rows):
+            return Unknown(ctx.node.op, ctx.node.scope, "a loss primitive with the rows on another axis")
+        value = ctx.constants[reduction_at] if reduction_at is not None and reduction_at < len(ctx.constants) else None
+        reduction = {0: "sum", 1: "mean", 2: "none"}.get(value, value) if not isinstance(value, bool) else None
+        if reduction is None and mean_by_default:
+            reduction = "mean"
+        weights = _weights(ctx.states)
+        if reduction == "none":
+            return Rows(0, weights)
+        if reduction in ("mean", "sum"):
+            return Reduced(frozenset({reduction}), weights)
+        return Unknown(ctx.node.op, ctx.node.scope, "a loss primitive whose reduction the graph does not state")
+    return rule
+
+
+def _with_mask(rule):
+    """An op returning ``(out, mask)`` (Dropout): both row-wise as its input."""
+    def wrapped(ctx: Context):
+        out = rule(ctx.first_output())
+        return Many((out,) * ctx.several) if ctx.several else out
+    return wrapped
+
+
+def _ctc(ctx: Context):
+    """CTCLossV2(log_probs (T, N, C), targets, input_lengths, target_lengths): per sample, rows on axis 1 of the
+    log-probabilities and axis 0 of the others."""
+    states = ctx.states[:4]
+    dead = _first_dead(states)
+    if dead is not None:
+        return dead
+    expected = (1, 0, 0, 0)
+    if any(isinstance(s, Rows) and s.axis != e for s, e in zip(states, expected)):
+        return ctx.coupled("CTC over the rows")
+    out = Rows(0, _weights(states))
+    return Many((out, Rows(1, out.weights)))
+
+
+def _fixed(ctx: Context):
+    """A value of fixed shape made from no row's data (zeros, ones, a range, random draws, shapes)."""
+    return Fixed(False)
+
+
+def _first(ctx: Context):
+    """The state of the first input (Depend, Load, Identity, StopGradient: the value passes through)."""
+    return ctx.states[0] if ctx.states else Fixed()

@@ -1,0 +1,143 @@
+"""The loss contract read from the loss network's own graph: what the batch-axis analysis (``diagnostics.batch_table``)
+shows the loss to be, as a typed record (:class:`GraphReading`), and what that decides for the cell's kind
+(:func:`decide`). ``diagnostics.contract`` calls it on the first call, once per input layout, before any eager pass.
+"""
+import dataclasses
+from typing import Optional
+
+from mindspore import nn, Tensor
+
+from ms_gradaccum._mindspore.frontend import forward_graph
+from ms_gradaccum.core.input_count import InputCountMean
+from ms_gradaccum.core.kinds import IgnoredLabelMean, LossKind, RowMean, RowSum, TokenMean
+from ms_gradaccum.diagnostics.batch_axis import COUNT_UNREAD, Coupled, Fixed, Many, Reduced, Unknown
+from ms_gradaccum.diagnostics.batch_table import analyse
+
+_BUILT_IN = (RowMean, RowSum, TokenMean, IgnoredLabelMean, InputCountMean)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphReading:
+    """What the loss network's graph showed.
+
+    Attributes:
+        kind (Optional[LossKind]): The kind the loss is (None: not read, or coupled).
+        coupled (Optional[Coupled]): The primitive that couples the rows (its op, the cells it runs in, why).
+        unread (str): Why the contract could not be read from the graph ("" where it was).
+        stop (str): Why the loss, read whole, is no one kind the cell can count ("" where it is).
+        count_input (Optional[int]): The input a count over the rows is taken from, where the loss is such a mean.
+        random (tuple): The random primitives the graph draws with.
+        nodes (int): The graph's primitives applied.
+    """
+    kind: Optional[LossKind] = None
+    coupled: Optional[Coupled] = None
+    unread: str = ""
+    stop: str = ""
+    count_input: Optional[int] = None
+    random: tuple = ()
+    nodes: int = 0
+
+
+def place(scope: str) -> str:
+    """Where a primitive runs in the user's code, from its scope (``"Default/head-Dense/MatMul-op0"``: ``"the cell
+    'head' (Dense)"``)."""
+    cells = [part for part in scope.split("/")[1:-1] if "-" in part]
+    if not cells:
+        return "the network's own construct"
+    names = [part.rsplit("-", 1) for part in cells]
+    return f"the cell '{'.'.join(name for name, _ in names)}' ({names[-1][1]})"
+
+
+def _count_kind(chain: tuple) -> LossKind:
+    """The kind counting `chain` (``(position, steps)``, a floor last where the network puts one on the count): a
+    mean over labels other than one value is the public ``IgnoredLabelMean``."""
+    position, steps = chain[0], chain[1]
+    floor = 0.0
+    rest = tuple(step for step in chain[2:])
+    for step in rest:
+        if step[0] == "floor":
+            floor = step[1]
+    core = tuple(step for step in steps if step[0] not in ("reshape", "cast"))
+    if not floor:
+        if len(core) == 1 and core[0][:2] == ("compare", "ne") and isinstance(core[0][2], int):
+            return IgnoredLabelMean(position, core[0][2])
+        if len(core) == 2 and core[0][:2] == ("compare", "eq") and isinstance(core[0][2], int) and \
+                core[1] in (("fill", 1.0, 0.0), ("fill", 1, 0), ("not",)):
+            return IgnoredLabelMean(position, core[0][2])
+    return InputCountMean(position, steps, floor)
+
+
+def _kind_of(state) -> tuple:
+    """``(kind, why)``: the kind a :class:`Reduced` output is; None and why it is none of them."""
+    fixed = "fixed" in state.terms
+    terms = set(state.terms) - {"fixed"}
+    counts = {term for term in terms if isinstance(term, tuple)}
+    if terms == {"mean"}:
+        return RowMean(), ""
+    if terms == {"sum"}:
+        if fixed:
+            return None, "a sum over the rows plus a term that does not depend on them"
+        return RowSum(), ""
+    if len(counts) == 1 and terms == counts:
+        return _count_kind(next(iter(counts))[1]), ""
+    if len(counts) > 1 and terms == counts:
+        return None, "means over different counts added together"
+    return None, "a mean over the rows and a sum over them, or a count, added together"
+
+
+def read(network: nn.Cell, args: tuple, split_positions: tuple, rows: int) -> GraphReading:
+    """The contract of `network` on `args` (a micro-batch's inputs, `rows` rows; the inputs at `split_positions` carry
+    the rows along axis 0), from its frontend graph. Errors of the network's compile propagate."""
+    graph = forward_graph(network, args)
+    if graph is None:
+        return GraphReading(unread="MindSpore gave no graph")
+    tensors = [position for position, x in enumerate(args) if isinstance(x, Tensor)]
+    if len(tensors) != len(graph.inputs):
+        return GraphReading(unread="the graph's inputs are not the network's Tensor arguments one for one")
+    split = {name: position for name, position in zip(graph.inputs, tensors) if position in split_positions}
+    reading = analyse(graph, split, rows)
+    state = reading.state
+    random = tuple(sorted(set(reading.random)))
+    nodes = len(graph.nodes)
+    if isinstance(state, Many):
+        return _many(state, random, nodes)
+    if isinstance(state, Coupled):
+        return GraphReading(coupled=state, random=random, nodes=nodes)
+    if isinstance(state, Unknown) and state.why.startswith(COUNT_UNREAD):
+        return GraphReading(stop=f"{state.why} ({state.op} in {place(state.scope)})", random=random, nodes=nodes)
+    if isinstance(state, Unknown):
+        return GraphReading(unread=f"{state.why}: {state.op} in {place(state.scope)}", random=random, nodes=nodes)
+    if isinstance(state, Reduced):
+        kind, why = _kind_of(state)
+        if kind is None:
+            return GraphReading(stop=why, random=random, nodes=nodes)
+        count = kind.position if isinstance(kind, (IgnoredLabelMean, InputCountMean)) else None
+        return GraphReading(kind=kind, count_input=count, random=random, nodes=nodes)
+    if isinstance(state, Fixed):
+        return GraphReading(unread="the loss does not depend on the rows", random=random, nodes=nodes)
+    return GraphReading(unread="the loss is not reduced over the rows", random=random, nodes=nodes)
+
+
+def _many(state: Many, random: tuple, nodes: int) -> GraphReading:
+    """A network returning ``(loss_sum, count)``: both sums over the rows make a ``TokenMean``."""
+    for item in state.items[:2]:
+        if isinstance(item, Coupled):
+            return GraphReading(coupled=item, random=random, nodes=nodes)
+    if len(state.items) >= 2 and all(isinstance(item, Reduced) and item.terms == {"sum"} for item in state.items[:2]):
+        return GraphReading(kind=TokenMean(), random=random, nodes=nodes)
+    first = state.items[0] if state.items else None
+    if isinstance(first, Reduced) and "mean" in first.terms:
+        return GraphReading(stop="its first output is a mean over the rows, not a sum", random=random, nodes=nodes)
+    return GraphReading(unread="its outputs are not a sum and a count over the rows", random=random, nodes=nodes)
+
+
+def built_in(kind: LossKind) -> bool:
+    """Whether `kind` is one of the package's (a kind of one's own is taken as declared)."""
+    return isinstance(kind, _BUILT_IN)
+
+
+def agrees(found: LossKind, kind: LossKind) -> bool:
+    """Whether the kind the graph showed is the cell's `kind` (a ``TokenMean``'s floor and sum are the user's)."""
+    if isinstance(found, TokenMean) and isinstance(kind, TokenMean):
+        return True
+    return found == kind

@@ -1,0 +1,74 @@
+"""What the loss network's graph decides (``diagnostics.graph_contract``'s reading) for a package cell, and the message
+of each stop: :func:`decided`."""
+from ms_gradaccum.core.kinds import RowMean, TokenMean
+from ms_gradaccum.diagnostics.graph_contract import GraphReading, agrees, built_in, place
+
+
+class LossContractError(ValueError):
+    """The loss does not combine over micro-batches as the cell combines it (raised before any update)."""
+
+
+def routes(public: bool) -> tuple:
+    """``(token route, sum route)`` in the arguments of the entry point the message is for."""
+    if public:
+        return ("return (loss_sum, count) from the network and pass kind=ms_gradaccum.TokenMean()",
+                "kind=ms_gradaccum.RowSum()")
+    return ("return (loss_sum, count) from the network and pass per_token_loss=True (min_count=1.0 for a "
+            "max(count, 1) floor)", "reduction='sum'")
+
+
+def taken_as(check, kind) -> str:
+    if check.declared:
+        return f"the cell was told the loss is {kind.description}"
+    return f"the cell takes the loss for {kind.description}"
+
+
+def decided(check, reading: GraphReading, public: bool):
+    """The kind `check`'s cell trains with, as `reading` shows the loss; raises :class:`LossContractError` where the
+    rows are coupled, the loss is not one kind the cell can count, or it contradicts what the user declared; None
+    where the graph leaves it undecided and nothing random is drawn (the value comparison decides then)."""
+    kind, owner, name = check.kind, check.owner_name, check.loss_name
+    token, total = routes(public)
+    if reading.coupled is not None:
+        coupled = reading.coupled
+        later = "" if public else (" check_loss=False would train another objective (the mean of micro-batch "
+                                   "losses), not this one.")
+        raise LossContractError(
+            f"For '{owner}', the loss of {name} couples the rows of a batch, so no split into micro-batches gives the "
+            f"full batch's update: train with micro_size=1 (a smaller batch if memory is short), or a loss whose rows "
+            f"are independent. Read from the loss network's graph: {coupled.why}, at {coupled.op} in "
+            f"{place(coupled.scope)}. Losses over the batch's rows together (InfoNCE over its similarity matrix, "
+            f"mining over the batch, statistics over the batch inside the network) are such losses.{later}")
+    if reading.stop:
+        raise LossContractError(
+            f"For '{owner}', the loss of {name} does not combine over micro-batches as one kind: {reading.stop}. "
+            f"{token.capitalize()}, giving the batch's sum and its count, so that the batch's sum is divided by the "
+            f"batch's count. Read from the loss network's graph.")
+    found = reading.kind
+    if found is None:
+        if not reading.random or (check.declared or not built_in(kind)):
+            return None if not reading.random else kind
+        raise LossContractError(
+            f"For '{owner}', the loss contract of {name} cannot be read from its graph ({reading.unread}), and the "
+            f"network draws random values ({', '.join(reading.random)}), so comparing its values cannot settle it "
+            f"either: say what the loss is. A mean over the rows: kind=ms_gradaccum.RowMean(); a sum over them: "
+            f"{total}; a mean over a count of its own: {token}.")
+    if not built_in(kind):
+        return kind   # a kind of one's own: declared, and the graph shows the rows are not coupled
+    if kind.counts_in_network:
+        # A recognised loss cell counts what it divides by: exact where the loss is that mean (or a row mean).
+        return kind if isinstance(found, RowMean) or getattr(found, "position", None) is not None else None
+    if kind.returns_count and not isinstance(found, TokenMean):
+        raise LossContractError(
+            f"For '{owner}', the loss of {name} is {found.description}, read from its graph, but "
+            f"{taken_as(check, kind)}: return the sum over the rows and the count, not their mean, or leave "
+            f"per_token_loss unset and the cell trains it as what it is.")
+    if check.declared and not agrees(found, kind):
+        undeclared = "pass kind=None" if public else "leave per_token_loss, reduction and kind unset"
+        raise LossContractError(
+            f"For '{owner}', the loss of {name} is {found.description}, read from its graph, but "
+            f"{taken_as(check, kind)}: {undeclared} and the cell trains it as what it is (counted per micro-batch "
+            f"on every step), or {token}.")
+    if isinstance(found, TokenMean) and isinstance(kind, TokenMean):
+        return kind
+    return found
