@@ -7,7 +7,7 @@
 primitive, the input names, the output shapes, the cell scope), and its constants with their values (a tensor
 constant's raw data too, where ``"anf_ir"`` leaves it out). Checked 2.7.0-2.10.0 (``../shared/FACTS.md``,
 2026-12-01). What the compile sets on the network (its phase, argument key and compile cache) is put back, and the
-graph's resources are freed.
+graph's resources are freed; so is the random state its random ops' seeds are taken from.
 """
 import dataclasses
 from typing import Optional
@@ -21,6 +21,8 @@ try:
 except ImportError:   # before 2.9
     from mindspore.common.api import _cell_graph_executor as _EXECUTOR
 from mindspore.train import mind_ir_pb2
+
+from ms_gradaccum._mindspore.randomness import random_state_kept
 
 _PHASE = "export.ms_gradaccum_loss_contract"
 _A = mind_ir_pb2.AttributeProto
@@ -130,7 +132,8 @@ def forward_graph(network: nn.Cell, inputs: tuple) -> Optional[Graph]:
     phases = dict(network.phase_cache) if hasattr(network, "phase_cache") else None
     phase = None
     try:
-        phase, _ = _EXECUTOR.compile(network, *inputs, phase=_PHASE, do_convert=False)
+        with random_state_kept():
+            phase, _ = _EXECUTOR.compile(network, *inputs, phase=_PHASE, do_convert=False)
         proto = _EXECUTOR._get_func_graph_proto(network, phase, "mind_ir")   # pylint: disable=protected-access
         if not proto:
             return None

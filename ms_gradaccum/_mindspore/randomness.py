@@ -77,3 +77,20 @@ class HeldDraws(contextlib.AbstractContextManager):
         _seed._KERNEL_SEED.update(self._kernel_seeds)   # pylint: disable=protected-access
         _generator.set_rng_state(self._state)
         return False
+
+
+@contextlib.contextmanager
+def random_state_kept():
+    """The global seed, the per-kernel seed counters and the default generator's state put back after the block: a
+    compile of the network that is not a step (the loss contract's graph, ``_mindspore.frontend``) takes its random ops'
+    seeds from these counters, and would shift the draws of every graph compiled after it."""
+    global_seed = _seed._GLOBAL_SEED   # pylint: disable=protected-access
+    kernel_seeds = dict(_seed._KERNEL_SEED)   # pylint: disable=protected-access
+    state = _generator.get_rng_state()
+    try:
+        yield
+    finally:
+        _seed._GLOBAL_SEED = global_seed   # pylint: disable=protected-access
+        _seed._KERNEL_SEED.clear()   # pylint: disable=protected-access
+        _seed._KERNEL_SEED.update(kernel_seeds)   # pylint: disable=protected-access
+        _generator.set_rng_state(state)

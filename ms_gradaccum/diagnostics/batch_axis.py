@@ -66,6 +66,7 @@ class Many:
 
 DEAD = (Coupled, Unknown)
 COUNT_UNREAD = "a count over the rows the package cannot take per micro-batch"
+NORMALISER = "it divides by a sum over the batch computed from the network's output"
 COMPARE = {"Equal": "eq", "NotEqual": "ne", "Greater": "gt", "GreaterEqual": "ge", "Less": "lt", "LessEqual": "le"}
 SWAPPED = {"gt": "lt", "ge": "le", "lt": "gt", "le": "ge", "eq": "eq", "ne": "ne"}
 
@@ -73,9 +74,11 @@ SWAPPED = {"gt": "lt", "ge": "le", "lt": "gt", "le": "ge", "eq": "eq", "ne": "ne
 class Context:
     """What a rule reads beyond its inputs' states: the node, the constants, the values' shapes, the rows."""
 
-    def __init__(self, node, states: list, shapes: list, constants: list, rows: int, out_shape=None):
+    def __init__(self, node, states: list, shapes: list, constants: list, rows: int, out_shape=None,
+                 node_index: int = -1, literals: frozenset = frozenset()):
         self.node, self.states, self.shapes, self.constants, self.rows = node, states, shapes, constants, rows
         self._out_shape = out_shape
+        self.node_index, self.literals = node_index, literals
 
     @property
     def out_shape(self):
@@ -86,7 +89,8 @@ class Context:
         """The same, with the shape of the first of several outputs as the output's."""
         shape = self.out_shape
         first = shape[0].shape if isinstance(shape, tuple) and shape and not isinstance(shape[0], int) else shape
-        return Context(self.node, self.states, self.shapes, self.constants, self.rows, first)
+        return Context(self.node, self.states, self.shapes, self.constants, self.rows, first, self.node_index,
+                       self.literals)
 
     @property
     def several(self) -> int:
@@ -147,6 +151,8 @@ def elementwise(ctx: Context, step=None):
     axes = {rank - _rank(ctx.shapes[i]) + s.axis for i, s in rows}
     if len(axes) > 1:
         return ctx.coupled("rows on different axes meet (a transposed batch)")
+    if min(axes) < 0:
+        return Unknown(ctx.node.op, ctx.node.scope, "an op whose output has fewer axes than its inputs")
     chain = None
     if len(rows) == 1 and step is not None:
         index, state = rows[0]
@@ -174,14 +180,18 @@ def _on_reduced(ctx: Context, reduced: list, rows: bool):
         return ctx.coupled("a product of two reductions over the rows")
     if op in ("Div", "RealDiv") and isinstance(states[1], Reduced):
         return _divided(ctx, states[0], states[1])
-    if op in ("Div", "RealDiv", "Mul", "Muls") and isinstance(states[0], Reduced) and len(reduced) == 1:
-        factor = _scalar(ctx.constants[1]) if len(ctx.constants) > 1 else None
-        divisor = factor if op in ("Div", "RealDiv") else (1.0 / factor if factor else None)
-        return _scaled(ctx, states[0], divisor)
+    if op in ("Div", "RealDiv") and isinstance(states[0], Reduced) and len(reduced) == 1:
+        return _scaled(ctx, states[0], _scalar(ctx.constants[1]) if len(ctx.constants) > 1 else None)
+    if op in ("Mul", "Muls") and len(reduced) == 1 and len(states) == 2:
+        index = 0 if isinstance(states[0], Reduced) else 1
+        factor = _scalar(ctx.constants[1 - index])
+        return _scaled(ctx, states[index], 1.0 / factor if factor else None)
     if op == "Maximum" and len(reduced) == 1 and isinstance(states[0], Reduced) and states[0].chain is not None:
         floor = _scalar(ctx.constants[1]) if len(ctx.constants) > 1 else None
         if floor is not None:
             return dataclasses.replace(states[0], chain=states[0].chain + (("floor", float(floor)),))
+    if op == "Maximum" and len(reduced) == 1 and isinstance(states[0], Reduced):
+        return dataclasses.replace(states[0], elements=None)   # a floor on a normaliser the package cannot replay
     if op == "Maximum":
         return ctx.coupled("a maximum of reductions over the rows")
     terms = frozenset().union(*(s.terms for s in reduced))
@@ -193,19 +203,30 @@ def _on_reduced(ctx: Context, reduced: list, rows: bool):
 
 
 def _scaled(ctx: Context, state: Reduced, divisor):
-    """A reduction times or over a constant: a sum over a constant proportional to the rows is a mean (confirmed at
-    another row count: ``divisions``); other constants scale it."""
-    if divisor and state.terms == {"sum"} and state.elements and float(divisor) % ctx.rows == 0:
-        return Reduced(frozenset({"mean"}), state.weights, None, None,
-                       state.divisions + ((ctx.node.name, float(divisor)),))
-    return dataclasses.replace(state, elements=None, chain=None if divisor not in (1, 1.0) else state.chain)
+    """A reduction times or over a constant. A sum over a constant proportional to the rows is a mean, a mean times
+    one is a sum: proportional, not equal by chance, where the constant changes with the rows (``divisions``: the
+    graph compiled at another row count confirms it; `ctx.literals` holds those it did not)."""
+    plain = dataclasses.replace(state, elements=None, chain=None if divisor not in (1, 1.0) else state.chain)
+    if not divisor or ctx.node_index in ctx.literals:
+        return plain
+    divisor = float(divisor)
+    if state.terms == {"sum"} and divisor >= ctx.rows and divisor % ctx.rows == 0:
+        changed = "mean"
+    elif state.terms == {"mean"} and 1.0 / divisor >= ctx.rows and round(1.0 / divisor) % ctx.rows == 0:
+        changed = "sum"
+    else:
+        return plain
+    return Reduced(frozenset({changed}), state.weights, None, None,
+                   state.divisions + ((ctx.node_index, divisor),))
 
 
 def _divided(ctx: Context, numerator, denominator: Reduced):
     """A reduction over the rows divided by another: a mean over a count taken from inputs, where the count is a sum of
     a function of the inputs alone; a normaliser that depends on the weights (Dice) couples the rows."""
     if denominator.weights:
-        return ctx.coupled("a reduction over the rows divided by another that depends on the network's output")
+        # Forward graphs hold no stop_gradient: a detector's normaliser without gradient and a Dice loss's with one
+        # look the same here (the message gives the route of each).
+        return Unknown(ctx.node.op, ctx.node.scope, NORMALISER)
     if not isinstance(numerator, Reduced) or not numerator.terms <= {"sum"}:
         return ctx.coupled("a mean divided by a count over the rows")
     if denominator.terms != {"sum"}:

@@ -270,6 +270,18 @@ def _loss_primitive(reduction_at: Optional[int], mean_by_default: bool = False):
     return rule
 
 
+def _per_row_loss(ctx: Context):
+    """A loss primitive returning each row's loss (and its gradient): row-wise with the rows first."""
+    dead = _first_dead(ctx.states)
+    if dead is not None:
+        return dead
+    if any(isinstance(s, Rows) and s.axis != 0 for s in ctx.states):
+        return Unknown(ctx.node.op, ctx.node.scope, "a loss primitive with the rows on another axis")
+    if not any(isinstance(s, Rows) for s in ctx.states):
+        return Many((Fixed(_weights(ctx.states)),) * max(ctx.several, 1))
+    return Many((Rows(0, _weights(ctx.states)),) * max(ctx.several, 1))
+
+
 def _with_mask(rule):
     """An op returning ``(out, mask)`` (Dropout): both row-wise as its input."""
     def wrapped(ctx: Context):
@@ -300,3 +312,14 @@ def _fixed(ctx: Context):
 def _first(ctx: Context):
     """The state of the first input (Depend, Load, Identity, StopGradient: the value passes through)."""
     return ctx.states[0] if ctx.states else Fixed()
+
+
+def _detached(ctx: Context):
+    """StopGradient: the value passes through, no gradient reaches the weights through it (a normaliser taken from
+    the predictions without gradient is a count, though not one the package can take from the inputs)."""
+    state = ctx.states[0] if ctx.states else Fixed()
+    if isinstance(state, Rows):
+        return Rows(state.axis, False, None)
+    if isinstance(state, Reduced):
+        return Reduced(state.terms, False, state.elements, None, state.divisions)
+    return Fixed(False) if isinstance(state, Fixed) else state

@@ -81,12 +81,12 @@ RULES = dict(
                                     "InstanceNorm DepthToSpace SpaceToDepth Im2Col".split()},
     Dropout=_r._with_mask(elementwise), DropoutExt=_r._with_mask(elementwise),
     SparseSoftmaxCrossEntropyWithLogits=_r._loss_primitive(None, mean_by_default=True),
-    SoftmaxCrossEntropyWithLogits=_r._with_mask(elementwise),
+    SoftmaxCrossEntropyWithLogits=_r._per_row_loss,
     BinaryCrossEntropy=_r._loss_primitive(3), BCEWithLogitsLoss=_r._loss_primitive(4),
     BinaryCrossEntropyWithLogits=_r._loss_primitive(4), SmoothL1Loss=_r._loss_primitive(3),
     L1LossExt=_r._loss_primitive(2), MSELossExt=_r._loss_primitive(2), KLDivLoss=_r._loss_primitive(2),
     CTCLossV2=_r._ctc,
-    Load=_r._first, Depend=_r._first, Identity=_r._first, StopGradient=_r._first,
+    Load=_r._first, Depend=_r._first, Identity=_r._first, StopGradient=_r._detached,
 )
 
 
@@ -107,14 +107,15 @@ def _shape(graph: Graph, shapes: dict, name: str):
     return shapes.get(name)
 
 
-def analyse(graph: Graph, split: dict, rows: int) -> Reading:
+def analyse(graph: Graph, split: dict, rows: int, literals: frozenset = frozenset()) -> Reading:
     """The state of `graph`'s output: `split` maps the graph's input names to the network's input positions of the
-    inputs split along axis 0 (the others are given whole); `rows` the rows of the micro-batch it was compiled on."""
+    inputs split along axis 0 (the others are given whole); `rows` the rows of the micro-batch it was compiled on;
+    `literals` the nodes whose constant factor does not change with the rows (``Reduced.divisions``)."""
     states = {name: Fixed(True) for name in graph.weights}
     for name in graph.inputs:
         states[name] = Rows(0, False, (split[name], ())) if name in split else Fixed()
     shapes, random, unruled = {}, [], []
-    for node in graph.nodes:
+    for index, node in enumerate(graph.nodes):
         inputs = node.inputs
         given = [states.get(name, Fixed()) for name in inputs]
         shapes[node.name] = node.out.shape
@@ -130,7 +131,8 @@ def analyse(graph: Graph, split: dict, rows: int) -> Reading:
                 index < len(whole.items) else whole
             continue
         constants = [graph.constants.get(name, NOT_A_VALUE) for name in inputs]
-        ctx = Context(node, given, [_shape(graph, shapes, name) for name in inputs], constants, rows)
+        ctx = Context(node, given, [_shape(graph, shapes, name) for name in inputs], constants, rows,
+                      node_index=index, literals=literals)
         rule = RULES.get(node.op)
         if rule is not None:
             states[node.name] = rule(ctx)

@@ -310,8 +310,9 @@ class ContractCheck(PrecisionNeutral):
         if len(sizes) < 2:
             return None
         try:
-            reading = graph_contract.read(self._user_network, batch.rows(0, sizes[0]), tuple(batch.positions),
-                                          sizes[0])
+            other = sizes[0] - 1 if sizes[0] > 1 else min(2, batch.batch)
+            reading = graph_contract.read(self._user_network, lambda rows: batch.rows(0, rows),
+                                          tuple(batch.positions), sizes[0], other)
         except Exception:  # pylint: disable=broad-except
             return None   # the network's own error: the eager passes report it with the split's context
         kind = decided(self, reading, public)

@@ -10,7 +10,7 @@ from mindspore import nn, Tensor
 from ms_gradaccum._mindspore.frontend import forward_graph
 from ms_gradaccum.core.input_count import InputCountMean
 from ms_gradaccum.core.kinds import IgnoredLabelMean, LossKind, RowMean, RowSum, TokenMean
-from ms_gradaccum.diagnostics.batch_axis import COUNT_UNREAD, Coupled, Fixed, Many, Reduced, Unknown
+from ms_gradaccum.diagnostics.batch_axis import COUNT_UNREAD, NORMALISER, Coupled, Fixed, Many, Reduced, Unknown
 from ms_gradaccum.diagnostics.batch_table import analyse
 
 _BUILT_IN = (RowMean, RowSum, TokenMean, IgnoredLabelMean, InputCountMean)
@@ -25,6 +25,7 @@ class GraphReading:
         coupled (Optional[Coupled]): The primitive that couples the rows (its op, the cells it runs in, why).
         unread (str): Why the contract could not be read from the graph ("" where it was).
         stop (str): Why the loss, read whole, is no one kind the cell can count ("" where it is).
+        normalised (bool): The stop is a normaliser over the batch the cell cannot count from the inputs.
         count_input (Optional[int]): The input a count over the rows is taken from, where the loss is such a mean.
         random (tuple): The random primitives the graph draws with.
         nodes (int): The graph's primitives applied.
@@ -33,6 +34,7 @@ class GraphReading:
     coupled: Optional[Coupled] = None
     unread: str = ""
     stop: str = ""
+    normalised: bool = False
     count_input: Optional[int] = None
     random: tuple = ()
     nodes: int = 0
@@ -85,26 +87,61 @@ def _kind_of(state) -> tuple:
     return None, "a mean over the rows and a sum over them, or a count, added together"
 
 
-def read(network: nn.Cell, args: tuple, split_positions: tuple, rows: int) -> GraphReading:
-    """The contract of `network` on `args` (a micro-batch's inputs, `rows` rows; the inputs at `split_positions` carry
-    the rows along axis 0), from its frontend graph. Errors of the network's compile propagate."""
+def _divisions(state) -> tuple:
+    items = state.items if isinstance(state, Many) else (state,)
+    return sum((item.divisions for item in items if isinstance(item, Reduced)), ())
+
+
+def _with_rows(divisor: float, other: float, rows: int, other_rows: int) -> bool:
+    """Whether a divisor changed with the rows: as them (a sum over them, a mean), or as their inverse (a mean times
+    them, a sum)."""
+    scale = max(abs(divisor), abs(other)) * max(rows, other_rows) * 1e-6
+    return abs(other * rows - divisor * other_rows) <= scale or abs(other * other_rows - divisor * rows) <= scale
+
+
+def _read_state(network: nn.Cell, args: tuple, split_positions: tuple, rows: int, literals=frozenset()):
+    """``(reading, graph)`` of `network` on `args`, or ``(why, None)`` where the graph cannot be read."""
     graph = forward_graph(network, args)
     if graph is None:
-        return GraphReading(unread="MindSpore gave no graph")
+        return "MindSpore gave no graph", None
     tensors = [position for position, x in enumerate(args) if isinstance(x, Tensor)]
     if len(tensors) != len(graph.inputs):
-        return GraphReading(unread="the graph's inputs are not the network's Tensor arguments one for one")
+        return "the graph's inputs are not the network's Tensor arguments one for one", None
     split = {name: position for name, position in zip(graph.inputs, tensors) if position in split_positions}
-    reading = analyse(graph, split, rows)
+    return analyse(graph, split, rows, literals), graph
+
+
+def read(network: nn.Cell, rows_of, split_positions: tuple, rows: int, other_rows: int) -> GraphReading:
+    """The contract of `network` from its frontend graph on ``rows_of(rows)`` (a micro-batch's inputs; those at
+    `split_positions` carry the rows along axis 0). Where a constant proportional to the rows makes a sum a mean (or
+    a mean a sum), the graph on ``rows_of(other_rows)`` confirms it changes with them. Errors of the network's compile
+    propagate."""
+    reading, graph = _read_state(network, rows_of(rows), split_positions, rows)
+    if graph is None:
+        return GraphReading(unread=reading)
+    divisions = _divisions(reading.state)
+    if divisions and other_rows and other_rows != rows:
+        other, other_graph = _read_state(network, rows_of(other_rows), split_positions, other_rows)
+        if other_graph is None or len(other_graph.nodes) != len(graph.nodes):
+            return GraphReading(unread="the graph differs at another row count")
+        seen = dict(_divisions(other.state))
+        literals = frozenset(index for index, divisor in divisions
+                             if not _with_rows(divisor, seen.get(index, 0.0), rows, other_rows))
+        if literals:
+            reading, graph = _read_state(network, rows_of(rows), split_positions, rows, literals)
+    return _finding(reading, len(graph.nodes))
+
+
+def _finding(reading, nodes: int) -> GraphReading:
     state = reading.state
     random = tuple(sorted(set(reading.random)))
-    nodes = len(graph.nodes)
     if isinstance(state, Many):
         return _many(state, random, nodes)
     if isinstance(state, Coupled):
         return GraphReading(coupled=state, random=random, nodes=nodes)
-    if isinstance(state, Unknown) and state.why.startswith(COUNT_UNREAD):
-        return GraphReading(stop=f"{state.why} ({state.op} in {place(state.scope)})", random=random, nodes=nodes)
+    if isinstance(state, Unknown) and state.why in (COUNT_UNREAD, NORMALISER):
+        return GraphReading(stop=f"{state.why}, at {state.op} in {place(state.scope)}", normalised=True,
+                            random=random, nodes=nodes)
     if isinstance(state, Unknown):
         return GraphReading(unread=f"{state.why}: {state.op} in {place(state.scope)}", random=random, nodes=nodes)
     if isinstance(state, Reduced):

@@ -39,11 +39,17 @@ def decided(check, reading: GraphReading, public: bool):
             f"are independent. Read from the loss network's graph: {coupled.why}, at {coupled.op} in "
             f"{place(coupled.scope)}. Losses over the batch's rows together (InfoNCE over its similarity matrix, "
             f"mining over the batch, statistics over the batch inside the network) are such losses.{later}")
+    if reading.stop and not reading.normalised:
+        raise LossContractError(
+            f"For '{owner}', the loss of {name} is not one kind the cell can combine over micro-batches: "
+            f"{reading.stop}. {token.capitalize()} (each term's sum, and the count it is divided by), or train with "
+            f"micro_size=1. Read from the loss network's graph.")
     if reading.stop:
         raise LossContractError(
-            f"For '{owner}', the loss of {name} does not combine over micro-batches as one kind: {reading.stop}. "
-            f"{token.capitalize()}, giving the batch's sum and its count, so that the batch's sum is divided by the "
-            f"batch's count. Read from the loss network's graph.")
+            f"For '{owner}', the loss of {name} is normalised over the batch by what the cell cannot count from the "
+            f"inputs alone ({reading.stop}): {token}, so that the batch's sum is divided by the batch's count. Where "
+            f"that normaliser carries a gradient (a Dice loss), no split of the rows reproduces the full batch: train "
+            f"with micro_size=1. Read from the loss network's graph.")
     found = reading.kind
     if found is None:
         if not reading.random or (check.declared or not built_in(kind)):
