@@ -318,8 +318,9 @@ class ContractCheck(PrecisionNeutral):
         kind = decided(self, reading, public)
         if kind is None:
             return None
-        return Findings(kind, None, (), reading.count_input, bool(reading.random), 0, batch.batch,
-                        read_from_graph=True, graph=reading)
+        ignore = reading.count_input if isinstance(kind, IgnoredLabelMean) else None
+        return Findings(kind, True, (), ignore, bool(reading.random), 0, batch.batch, read_from_graph=True,
+                        graph=reading)
 
     def probe(self, engine: nn.Cell, inputs: tuple, public: bool = False) -> Optional[Findings]:
         """The probe on `inputs` (see the module docstring): raises :class:`LossContractError` where the loss does not

@@ -47,9 +47,9 @@ def decided(check, reading: GraphReading, public: bool):
     if reading.stop:
         raise LossContractError(
             f"For '{owner}', the loss of {name} is normalised over the batch by what the cell cannot count from the "
-            f"inputs alone ({reading.stop}): {token}, so that the batch's sum is divided by the batch's count. Where "
-            f"that normaliser carries a gradient (a Dice loss), no split of the rows reproduces the full batch: train "
-            f"with micro_size=1. Read from the loss network's graph.")
+            f"inputs alone: {token}, so that the batch's sum is divided by the batch's count. Read from the loss "
+            f"network's graph: {reading.stop}. Where that normaliser carries a gradient (a Dice loss), no split of "
+            f"the rows reproduces the full batch: train with micro_size=1.")
     found = reading.kind
     if found is None:
         if not reading.random or (check.declared or not built_in(kind)):

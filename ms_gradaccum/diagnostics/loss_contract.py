@@ -1,12 +1,13 @@
-"""The loss contract's probe as a public eager entry: :func:`check_loss_contract` runs the probe the cells run on their
-first call, on a batch of one's choosing, and raises as the cells would or reports what it found."""
+"""The loss contract as a public entry: :func:`check_loss_contract` reads the contract the cells read on their first
+call (from the loss network's graph; the value comparison where the graph leaves it undecided), on a batch of one's
+choosing, and raises as the cells would or reports what it found."""
 import dataclasses
 from typing import Optional
 
 from mindspore import nn
 
 from ms_gradaccum.core.engine import NON_FINITE_CAUSE, MicroBatchGradients
-from ms_gradaccum.core.kinds import LossKind, LossSpec
+from ms_gradaccum.core.kinds import IgnoredLabelMean, LossKind, LossSpec
 from ms_gradaccum.core.microbatch import check_tensor_inputs, micro_batch_rows
 from ms_gradaccum.core.tokens import recognised
 from ms_gradaccum.core.validation import argument_error, check_cell
@@ -21,18 +22,22 @@ class LossContractReport:
 
     Attributes:
         kind (LossKind): The loss kind the cells would train with for this network and these arguments (a recognised
-            loss counted, ``CountedMean``; a mean over labels other than -100 that the probe found,
-            ``IgnoredLabelMean``).
+            loss counted, ``CountedMean``; a mean over labels other than an ignore value, ``IgnoredLabelMean``; over
+            another count taken from one input, ``InputCountMean``; a sum, ``RowSum``).
         rows (tuple): The rows of each micro-batch of the batch.
-        separable (Optional[bool]): Whether the rows are independent through the float inputs (the gradient probe);
-            None where no float input could be probed.
-        probed_inputs (tuple): The float inputs the gradient probe changed, by position.
-        ignore_labels (Optional[int]): The input whose -100 labels the loss leaves out, if any (then counted).
-        random (bool): The network draws random values: only the gradient probe ran, its draws held the same.
-        rows_compared (int): The rows whose values were compared: every row of the batch, or 0 (a network with random
-            draws, or a micro-batch whose loss is not finite).
+        separable (Optional[bool]): Whether the rows are independent (read from the graph, or through the float
+            inputs by the gradient probe); None where neither could tell.
+        probed_inputs (tuple): The float inputs the gradient probe changed, by position (none where the graph read it).
+        ignore_labels (Optional[int]): The input whose ignored labels the loss leaves out, if any (then counted).
+        random (bool): The network draws random values.
+        rows_compared (int): The rows whose values were compared: every row of the batch, or 0 (the graph decided, a
+            network with random draws, or a micro-batch whose loss is not finite).
         measured (float): The loss on the pair of micro-batches whose comparison was closest to failing.
         predicted (float): The same combined from the two micro-batches' own losses by the kind.
+        read_from_graph (bool): The contract was read from the loss network's graph (no eager pass ran).
+        count_input (Optional[int]): The input a count the loss divides by is taken from, where it is such a mean.
+        random_primitives (tuple): The random primitives the graph draws with.
+        primitives (int): The primitives applied in the loss network's graph.
     """
     kind: LossKind
     rows: tuple
@@ -43,6 +48,10 @@ class LossContractReport:
     rows_compared: int
     measured: float
     predicted: float
+    read_from_graph: bool = False
+    count_input: Optional[int] = None
+    random_primitives: tuple = ()
+    primitives: int = 0
 
     @property
     def ratio(self) -> float:
@@ -51,11 +60,12 @@ class LossContractReport:
 
 def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Optional[LossKind] = None,
                         shared_inputs=()) -> LossContractReport:
-    """Probe, eagerly, whether `loss_net`'s loss combines over micro-batches as the cells combine it: the probe
-    ``GradAccumulationCell`` and ``AccumulatingTrainOneStepCell`` run on their first call, on a batch of one's choosing
-    (say, a later batch of a dataset, most unlike the first). Nothing is compiled or trained; BatchNorm's moving
-    statistics and the random state are left as they were. What the probe decides from the loss's structure holds for
-    every batch; its value comparison covers this batch's rows (``docs/design.md``, "The loss contract").
+    """Whether `loss_net`'s loss combines over micro-batches as the cells combine it, read as ``GradAccumulationCell``
+    and ``AccumulatingTrainOneStepCell`` read it on their first call: from the loss network's graph (its frontend
+    only is compiled for a micro-batch's shapes), and where the graph leaves it undecided by comparing the values of
+    a batch of one's choosing. Nothing is trained; BatchNorm's moving statistics and the random state are left as
+    they were. What the graph shows holds for every batch; a value comparison covers this batch's rows
+    (``docs/design.md``, "The loss contract").
 
     Args:
         loss_net (Cell): The loss network, as given to the cells.
@@ -85,7 +95,10 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
     spec = recognised(spec, loss_net, True)
     engine = MicroBatchGradients(loss_net, spec, overwrite=True, cls_name=_PUBLIC, loss_scale=None)
     engine.bind_targets((), ())
-    found = ContractCheck.of(engine, loss_net, spec, _PUBLIC).probe(engine, inputs, public=True)
+    check = ContractCheck.of(engine, loss_net, spec, _PUBLIC)
+    found = check.read_graph(engine, inputs, public=True)
+    if found is None:
+        found = check.probe(engine, inputs, public=True)
     if found is None:
         raise ValueError(
             f"For '{_PUBLIC}', the probe cannot run on these inputs: it runs stand-alone or data parallel, on Tensors "
@@ -98,6 +111,10 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
             f"For '{_PUBLIC}', micro-batch {found.not_finite} (rows {first} to {first + rows[found.not_finite] - 1}) "
             f"returned a non-finite loss or count (nan or inf): the cells stop such a step before any weight changes. "
             f"{NON_FINITE_CAUSE}: return (loss_sum, count) from the network and pass kind=ms_gradaccum.TokenMean().")
-    return LossContractReport(found.kind, tuple(rows), found.separable,
-                              found.probed_inputs, found.ignore_labels, found.random, found.rows_compared,
-                              found.measured, found.predicted)
+    graph = found.graph
+    if graph is None:
+        return LossContractReport(found.kind, tuple(rows), found.separable, found.probed_inputs, found.ignore_labels,
+                                  found.random, found.rows_compared, found.measured, found.predicted)
+    ignore = graph.count_input if isinstance(found.kind, IgnoredLabelMean) else None
+    return LossContractReport(found.kind, tuple(rows), True, (), ignore, bool(graph.random), 0, float("nan"),
+                              float("nan"), True, graph.count_input, graph.random, graph.nodes)
