@@ -1,4 +1,4 @@
-"""The loss contract decided from the loss's structure on the first call (diagnostics.contract), whatever values the
+"""The loss contract read from the loss network's graph on the first call (diagnostics.contract), whatever values the
 batches hold: each kind of loss of one's own with a case of its own and a negative control, in GRAPH_MODE and
 PyNative, under nn.TrainOneStepCell and Model, and for AccumulatingTrainOneStepCell; random draws never stop or
 loosen anything; the probe's hook is undone on every path and nothing is written on the user's train cell."""
@@ -251,32 +251,50 @@ def test_structure_random_draws_never_stop_or_warn(mode, make_loss):
 
 @pytest.mark.slow
 def test_structure_random_draws_with_a_coupled_loss_still_stop():
-    # Negative control for the above: random draws do not hide a masked mean (all ones on step 1).
-    class DroppedMasked(MaskedMean):
+    # Negative control for the above: random draws do not hide statistics over the batch.
+    class DroppedStandardised(BatchStandardised):
         def __init__(self, net):
             super().__init__(nn.SequentialCell(nn.Dropout(p=0.3), net))
 
-    with pytest.raises(ValueError, match=r"normalised over the batch through input 2"):
-        train(DroppedMasked, batches(2, "ragged"), "cell")
+    with pytest.raises(ValueError, match=r"couples the rows of a batch"):
+        train(DroppedStandardised, batches(2, "ragged"), "cell")
+
+
+# --- losses normalised through their inputs, or summed: read from the graph, counted, exact -------------------------
+
+EXACT = [(MaskedMean, "ragged"), (lambda net: MaskedMean(net, 1e-2), "sorted"), (ThresholdedCount, "ragged"),
+         (SumLoss, "")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_loss, change", EXACT, ids=["masked_mean", "small_masked_mean_sorted",
+                                                          "thresholded_count", "sum"])
+def test_structure_losses_counted_through_their_inputs_or_summed_train_exactly(make_loss, change):
+    # The graph shows a sum over a count taken from input 2 (a mask's sum; positives thresholded from float targets,
+    # floored at 1) or a sum: the cell counts it per micro-batch on every step, whatever step 1 held. Control: with
+    # the check off, the same data train away from the full batch.
+    data = batches(4, change)
+    initial, expected, _ = train(make_loss, data, "full")
+    _, actual, caught = train(make_loss, data, "cell")
+    assert not caught, caught
+    assert_params_moved(expected, initial)
+    assert off(actual, expected, initial) < 1e-4
+    _, control, _ = train(make_loss, data, "cell", check_loss=False)
+    assert off(control, expected, initial) > 1e-3
 
 
 # --- coupled losses stop on step 1, before any update, whatever step 1's data hold ---------------------------------
 
 CASES = [
     # (loss, data, what the message says first)
-    (MaskedMean, "ragged", "is normalised over the batch through input 2: return (loss_sum, count)"),
-    (lambda net: MaskedMean(net, 1e-6), "sorted", "is normalised over the batch through input 2: return (loss_sum"),
-    (ThresholdedCount, "ragged", "is normalised over the batch through input 2: return (loss_sum, count)"),
     (lambda net: OwnCrossEntropy(net, auxiliary=True), "ignored",
-     "weighs the labels of input 1 that are -100 otherwise than the cell takes the loss for"),
+     "is not one kind the cell can combine over micro-batches: a mean over the rows and a sum over them, or a count"),
     (BatchStandardised, "", "couples the rows of a batch, so no split into micro-batches gives the full batch's "
                             "update: train with micro_size=1"),
     (InfoNCE, "", "couples the rows of a batch, so no split into micro-batches gives the full batch's update: train "
                   "with micro_size=1"),
-    (SumLoss, "", "grows with the rows it is given (a sum, or a mean times the batch size): pass reduction='sum'"),
 ]
-IDS = ["masked_mean", "small_masked_mean_sorted", "thresholded_count", "ignored_plus_row_mean_term",
-       "standardised_over_the_batch", "info_nce", "sum"]
+IDS = ["ignored_plus_row_mean_term", "standardised_over_the_batch", "info_nce"]
 
 
 @pytest.mark.slow
@@ -304,17 +322,17 @@ def test_structure_coupled_losses_stop_on_step_1_with_the_cause_first(make_loss,
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("how", HOWS)
-def test_structure_masked_mean_with_all_ones_on_step_1_stops_on_step_1_everywhere(mode, how):
-    data = batches(3, "ragged")
+def test_structure_masked_mean_with_all_ones_on_step_1_trains_exactly_everywhere(mode, how):
+    # Read from the graph in both modes, under nn.TrainOneStepCell, AccumulatingTrainOneStepCell and Model: the mask's
+    # count taken per micro-batch from step 1 on. Control: with the check off, steps 3-4 train off the full batch.
+    data = batches(4, "ragged")
     assert (data[0][2] == 1).all() and (data[1][2] == 1).all()
-    with pytest.raises(ValueError, match=r"normalised over the batch through input 2"):
-        train(MaskedMean, data, how, mode=mode)
-    # Control: the row mean on the same data trains, exactly.
-    initial, expected, _ = train(RowMeanLoss, data, "full", mode=mode)
-    _, actual, caught = train(RowMeanLoss, data, how, mode=mode)
+    initial, expected, _ = train(MaskedMean, data, "full", mode=mode)
+    _, actual, caught = train(MaskedMean, data, how, mode=mode)
     assert not caught, caught
     assert_params_close(actual, expected, rtol=1e-4, atol=2e-6)
-    assert off(actual, expected, initial) < 1e-4
+    _, control, _ = train(MaskedMean, data, how, check_loss=False, mode=mode)
+    assert off(control, expected, initial) > 1e-3
 
 
 # --- once, then off the step path -----------------------------------------------------------------------------------
@@ -365,27 +383,32 @@ def test_structure_hook_is_undone_after_a_cell_compiled_only_in_a_jit_function()
     assert not GRAPH_COMPILE.installed
 
 
-def test_structure_probe_runs_once_per_layout():
-    # A steady call does not probe again; a call with inputs of another layout (dtypes, ranks) does, in PyNative mode.
+def test_structure_contract_is_read_once_per_layout():
+    # A steady call does not read the graph again; a call with inputs of another layout (dtypes, ranks) does, in
+    # PyNative mode. No eager probe runs: the graph decides a row mean.
     from ms_gradaccum.diagnostics import contract   # pylint: disable=import-outside-toplevel
     ms.set_context(mode=ms.PYNATIVE_MODE)
     net = make_mlp()
     cell = GradAccumulationCell(RowMeanLoss(net), K)
     step = nn.TrainOneStepCell(cell, nn.SGD(net.trainable_params(), 0.1))
-    calls = []
-    probe = contract.ContractCheck.probe
+    calls, probes = [], []
+    read, probe = contract.ContractCheck.read_graph, contract.ContractCheck.probe
 
     def counted(self, *args, **kwargs):
         calls.append(1)
+        return read(self, *args, **kwargs)
+
+    def probed(self, *args, **kwargs):
+        probes.append(1)
         return probe(self, *args, **kwargs)
 
-    contract.ContractCheck.probe = counted
+    contract.ContractCheck.read_graph, contract.ContractCheck.probe = counted, probed
     try:
         for x, y, mask in batches(3):
             step(Tensor(x), Tensor(y), Tensor(mask))
         assert len(calls) == 1
         x, y, mask = batches(1)[0]
         step(Tensor(x), Tensor(y), Tensor(mask.astype(np.float16)))
-        assert len(calls) == 2
+        assert len(calls) == 2 and not probes
     finally:
-        contract.ContractCheck.probe = probe
+        contract.ContractCheck.read_graph, contract.ContractCheck.probe = read, probe

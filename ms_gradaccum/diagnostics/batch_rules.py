@@ -72,20 +72,24 @@ def _transposed(ctx: Context):
 
 
 def _sliced(ctx: Context):
-    """StridedSlice: every row kept (the rows' axis whole) keeps the rows; a slice of the rows selects some of them."""
+    """StridedSlice (and the other slices): every row kept (the rows' axis whole) keeps the rows; a slice of the rows
+    selects some of them."""
     state = ctx.states[0]
     if not isinstance(state, Rows):
         return elementwise(ctx)
     before, after = ctx.shapes[0], ctx.out_shape
-    if not isinstance(after, tuple) or len(after) != len(before) or after[state.axis] != before[state.axis]:
-        return ctx.coupled("a slice that selects some of the rows")
-    chain = state.chain
     args = ctx.constants[1:9]
-    if chain is not None and state.axis == 0 and len(args) == 8 and all(isinstance(a, (tuple, int)) for a in args):
-        chain = (chain[0], chain[1] + (("slice",) + tuple(args),))
-    else:
-        chain = None
-    return Rows(state.axis, state.weights, chain)
+    strided = ctx.node.op == "StridedSlice" and len(args) == 8 and all(isinstance(a, (tuple, int)) for a in args)
+    if strided and state.axis == 0 and not (args[5] | args[6] | args[7]) & 1 and not args[5] and not args[6] and \
+            isinstance(after, tuple) and after and after[0] == before[0]:
+        chain = state.chain
+        chain = None if chain is None else (chain[0], chain[1] + (("slice",) + tuple(args),))
+        return Rows(0, state.weights, chain)
+    if isinstance(after, tuple) and len(after) == len(before) and after[state.axis] == before[state.axis]:
+        return Rows(state.axis, state.weights)
+    if isinstance(after, tuple) and len(after) == len(before) or state.axis == 0:
+        return ctx.coupled("a slice that selects some of the rows")
+    return Unknown(ctx.node.op, ctx.node.scope, "a slice whose axes the graph does not map")
 
 
 def _reduction(summing: bool, averaging: bool = False, axes_at: int = 1):
