@@ -34,6 +34,11 @@ class Rows:
     axis: int
     weights: bool = False
     chain: Optional[tuple] = None   # (input position, steps), where it is a function of that input alone
+    outer: int = 1   # the rows axis holds `outer` blocks of all rows ((T, B, E) -> (T*B, E): T); whole rows are 1
+
+    def at(self, axis: int, weights: Optional[bool] = None, chain=None) -> "Rows":
+        """The same rows on `axis` of an op's output (no chain unless given)."""
+        return Rows(axis, self.weights if weights is None else weights, chain, self.outer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +153,11 @@ def elementwise(ctx: Context, step=None):
         return _on_reduced(ctx, reduced, bool(rows))
     if not rows:
         return Fixed(_weights(ctx.states))
-    axes = {rank - _rank(ctx.shapes[i]) + s.axis for i, s in rows}
+    axes = {(rank - _rank(ctx.shapes[i]) + s.axis, s.outer) for i, s in rows}
     if len(axes) > 1:
         return ctx.coupled("rows on different axes meet (a transposed batch)")
-    if min(axes) < 0:
+    axis, outer = axes.pop()
+    if axis < 0:
         return Unknown(ctx.node.op, ctx.node.scope, "an op whose output has fewer axes than its inputs")
     chain = None
     if len(rows) == 1 and step is not None:
@@ -160,7 +166,7 @@ def elementwise(ctx: Context, step=None):
         made = step(ctx, index, others)
         if made is not None and state.chain is not None and not _weights(ctx.states):
             chain = (state.chain[0], state.chain[1] + (made,))
-    return Rows(axes.pop(), _weights(ctx.states), chain)
+    return Rows(axis, _weights(ctx.states), chain, outer)
 
 
 LINEAR = {"Add", "Sub", "AddExt", "SubExt", "Neg", "Mul", "Muls", "Div", "RealDiv", "DivMod", "Maximum", "Cast",

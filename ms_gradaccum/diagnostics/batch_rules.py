@@ -42,23 +42,26 @@ def _scale_step(ctx: Context, index: int, others: list):
 
 
 def _reshaped(ctx: Context):
-    """A reshape-like op (Reshape, ExpandDims, Squeeze, Flatten): where the rows go, from the shapes; rows merged with
-    the axes after them stay rows (``(B, T, V) -> (B*T, V)``: the first axis not of size 1 holds whole rows)."""
+    """A reshape-like op (Reshape, ExpandDims, Squeeze, Flatten). Every reshape keeps the elements before and after
+    the rows' own index (P and S in ``P x B x S``); the rows are on the axis whose extent brackets them: merged with the
+    axes after them (``(B, T, V) -> (B*T, V)``), or inside an axis that holds P blocks of them (``(T, B, E) ->
+    (T*B, E)``: `outer` T). Rows spread over two axes are not followed."""
     state = ctx.states[0]
     if not isinstance(state, Rows):
         return elementwise(ctx)
     before, after = ctx.shapes[0], ctx.out_shape
     if not isinstance(before, tuple) or not isinstance(after, tuple) or not after:
         return Unknown(ctx.node.op, ctx.node.scope, "a reshape of shapes the graph does not state")
-    if int(np.prod(before[:state.axis])) != 1:
-        return Unknown(ctx.node.op, ctx.node.scope, "a reshape of rows that are not the outermost axis")
-    axis = next((a for a, size in enumerate(after) if size != 1), 0)
-    if after[axis] % ctx.rows:
-        return ctx.coupled("a reshape that splits the rows across axes")
-    chain = state.chain
-    if chain is not None:
-        chain = (chain[0], chain[1] + (("reshape", tuple(-1 if a == axis else d for a, d in enumerate(after))),))
-    return Rows(axis, state.weights, chain)
+    prefix = int(np.prod(before[:state.axis])) * state.outer
+    extent = 1
+    for axis, size in enumerate(after):
+        if prefix % extent == 0 and (extent * size) % (prefix * ctx.rows) == 0 and (size != 1 or ctx.rows == 1):
+            chain = state.chain
+            if chain is not None:
+                chain = (chain[0], chain[1] + (("reshape", tuple(-1 if a == axis else d for a, d in enumerate(after))),))
+            return Rows(axis, state.weights, chain, prefix // extent)
+        extent *= size
+    return Unknown(ctx.node.op, ctx.node.scope, "a reshape that spreads the rows over two axes")
 
 
 def _transposed(ctx: Context):
@@ -68,7 +71,7 @@ def _transposed(ctx: Context):
         return elementwise(ctx)
     if not isinstance(perm, tuple):
         return Unknown(ctx.node.op, ctx.node.scope, "a transpose of unknown order")
-    return Rows(tuple(p % len(perm) for p in perm).index(state.axis), state.weights)
+    return state.at(tuple(p % len(perm) for p in perm).index(state.axis))
 
 
 def _sliced(ctx: Context):
@@ -84,9 +87,9 @@ def _sliced(ctx: Context):
             isinstance(after, tuple) and after and after[0] == before[0]:
         chain = state.chain
         chain = None if chain is None else (chain[0], chain[1] + (("slice",) + tuple(args),))
-        return Rows(0, state.weights, chain)
+        return state.at(0, chain=chain)
     if isinstance(after, tuple) and len(after) == len(before) and after[state.axis] == before[state.axis]:
-        return Rows(state.axis, state.weights)
+        return state.at(state.axis)
     if isinstance(after, tuple) and len(after) == len(before) or state.axis == 0:
         return ctx.coupled("a slice that selects some of the rows")
     return Unknown(ctx.node.op, ctx.node.scope, "a slice whose axes the graph does not map")
@@ -106,7 +109,7 @@ def _reduction(summing: bool, averaging: bool = False, axes_at: int = 1):
             return Unknown(ctx.node.op, ctx.node.scope, "a reduction over axes the graph does not state")
         if state.axis not in axes:
             kept = _rank(ctx.out_shape) == _rank(shape)
-            return Rows(state.axis if kept else state.axis - sum(a < state.axis for a in axes), state.weights)
+            return state.at(state.axis if kept else state.axis - sum(a < state.axis for a in axes))
         if not summing:
             return ctx.coupled(f"{ctx.node.op} over the rows")
         elements = int(np.prod([shape[a] for a in axes]))
@@ -125,7 +128,7 @@ def _along(axis_at: int):
         axes = ctx.axes(axis_at, _rank(ctx.shapes[0])) if axis_at is not None else (_rank(ctx.shapes[0]) - 1,)
         if axes is None or state.axis in axes:
             return ctx.coupled(f"{ctx.node.op} along the rows")
-        rows = Rows(state.axis, state.weights)
+        rows = state.at(state.axis)
         return Many((rows,) * ctx.several) if ctx.several else rows
     return rule
 
@@ -141,7 +144,7 @@ def _matmul(transposes_at: Optional[int]):
         rank_a, rank_b, rank = _rank(ctx.shapes[0]), _rank(ctx.shapes[1]), _rank(ctx.out_shape)
         flags = ctx.constants[transposes_at:transposes_at + 2] if transposes_at is not None else (False, False)
         t_a, t_b = (bool(f) if isinstance(f, (bool, int)) else False for f in (tuple(flags) + (False, False))[:2])
-        where = []
+        where, outers = [], []
         for state, r, other, transposed in ((a, rank_a, "left", t_a), (b, rank_b, "right", t_b)):
             if not isinstance(state, Rows):
                 continue
@@ -149,15 +152,16 @@ def _matmul(transposes_at: Optional[int]):
             contracted = (r - 2 if transposed else r - 1) if other == "left" else (r - 1 if transposed else r - 2)
             if r == 1 or state.axis == contracted:
                 return ctx.coupled("a matrix product over the rows")
+            outers.append(state.outer)
             if state.axis == free:
                 where.append(rank - 2 if other == "left" else rank - 1)
             else:
                 where.append(rank - r + state.axis)
         if not where:
             return Fixed(_weights(ctx.states[:2]))
-        if len(where) == 2 and (where[0] != where[1] or where[0] >= rank - 2):
+        if len(where) == 2 and (where[0] != where[1] or where[0] >= rank - 2 or outers[0] != outers[1]):
             return ctx.coupled("a matrix product between rows (a similarity over the batch)")
-        return Rows(where[0], _weights(ctx.states[:2]))
+        return Rows(where[0], _weights(ctx.states[:2]), None, outers[0])
     return rule
 
 
@@ -171,10 +175,10 @@ def _gathered(ctx: Context):
     axis = ctx.constants[2] if len(ctx.constants) > 2 and isinstance(ctx.constants[2], int) else 0
     axis %= max(_rank(ctx.shapes[0]), 1)
     if isinstance(table, Fixed) and isinstance(indices, Rows):
-        return Rows(axis + indices.axis, table.weights)
+        return indices.at(axis + indices.axis, table.weights)
     if isinstance(table, Rows) and isinstance(indices, Fixed) and table.axis != axis:
         shift = _rank(ctx.shapes[1]) - 1 if table.axis > axis else 0
-        return Rows(table.axis + shift, table.weights or indices.weights)
+        return table.at(table.axis + shift, table.weights or indices.weights)
     if isinstance(table, Fixed) and isinstance(indices, Fixed):
         return Fixed(table.weights)
     return ctx.coupled("a gather along the rows")
@@ -197,7 +201,7 @@ def _one_hot(ctx: Context):
         return elementwise(ctx)
     axis = ctx.constants[-1] if isinstance(ctx.constants[-1], int) else -1
     rank = _rank(ctx.out_shape)
-    return Rows(state.axis if axis % rank > state.axis else state.axis + 1, state.weights)
+    return state.at(state.axis if axis % rank > state.axis else state.axis + 1)
 
 
 def _joined(ctx: Context):
@@ -207,15 +211,15 @@ def _joined(ctx: Context):
     if dead is not None:
         return dead
     axis = ctx.constants[1] if len(ctx.constants) > 1 and isinstance(ctx.constants[1], int) else 0
-    rows = {s.axis for s in items if isinstance(s, Rows)}
+    rows = {(s.axis, s.outer) for s in items if isinstance(s, Rows)}
     if not rows:
         return Fixed(_weights(items))
-    stacked = ctx.node.op == "Stack"
+    stacked = ctx.node.op in ("Stack", "StackExt")
     rank = _rank(ctx.out_shape)
-    out_axes = {a + (1 if stacked and a >= axis % rank else 0) for a in rows}
-    if len(rows) > 1 or (not stacked and axis % rank in rows):
+    (row_axis, outer), = rows if len(rows) == 1 else ((None, 1),)
+    if row_axis is None or (not stacked and axis % rank == row_axis):
         return ctx.coupled(f"{ctx.node.op} along the rows")
-    return Rows(out_axes.pop(), _weights(items))
+    return Rows(row_axis + (1 if stacked and row_axis >= axis % rank else 0), _weights(items), None, outer)
 
 
 def _split(ctx: Context):
@@ -226,7 +230,7 @@ def _split(ctx: Context):
     if axis % _rank(ctx.shapes[0]) == state.axis:
         return ctx.coupled(f"{ctx.node.op} along the rows")
     count = len(ctx.out_shape) if isinstance(ctx.out_shape, tuple) else 1
-    return Many((Rows(state.axis, state.weights),) * count)
+    return Many((state.at(state.axis),) * count)
 
 
 def _per_sample(ctx: Context):
@@ -239,7 +243,7 @@ def _per_sample(ctx: Context):
     weights = _weights(ctx.states)
     if not isinstance(state, Rows):
         return Many((Fixed(weights),) * ctx.several) if ctx.several else Fixed(weights)
-    if state.axis != 0:
+    if state.axis != 0 or state.outer != 1:
         return Unknown(ctx.node.op, ctx.node.scope, "a per-sample op with the rows on another axis than the first")
     if ctx.node.op == "LayerNorm" and isinstance(ctx.constants[3], int) and ctx.constants[3] % _rank(ctx.shapes[0]) == 0:
         return ctx.coupled("a LayerNorm over the rows")
@@ -259,7 +263,7 @@ def _loss_primitive(reduction_at: Optional[int], mean_by_default: bool = False):
         rows = [s for s in ctx.states if isinstance(s, Rows)]
         if not rows:
             return Fixed(_weights(ctx.states))
-        if any(s.axis != 0 for s in rows):
+        if any(s.axis != 0 or s.outer != 1 for s in rows):
             return Unknown(ctx.node.op, ctx.node.scope, "a loss primitive with the rows on another axis")
         value = ctx.constants[reduction_at] if reduction_at is not None and reduction_at < len(ctx.constants) else None
         reduction = {0: "sum", 1: "mean", 2: "none"}.get(value, value) if not isinstance(value, bool) else None
@@ -279,7 +283,7 @@ def _per_row_loss(ctx: Context):
     dead = _first_dead(ctx.states)
     if dead is not None:
         return dead
-    if any(isinstance(s, Rows) and s.axis != 0 for s in ctx.states):
+    if any(isinstance(s, Rows) and (s.axis != 0 or s.outer != 1) for s in ctx.states):
         return Unknown(ctx.node.op, ctx.node.scope, "a loss primitive with the rows on another axis")
     if not any(isinstance(s, Rows) for s in ctx.states):
         return Many((Fixed(_weights(ctx.states)),) * max(ctx.several, 1))
@@ -302,7 +306,7 @@ def _ctc(ctx: Context):
     if dead is not None:
         return dead
     expected = (1, 0, 0, 0)
-    if any(isinstance(s, Rows) and s.axis != e for s, e in zip(states, expected)):
+    if any(isinstance(s, Rows) and (s.axis != e or s.outer != 1) for s, e in zip(states, expected)):
         return ctx.coupled("CTC over the rows")
     out = Rows(0, _weights(states))
     return Many((out, Rows(1, out.weights)))
@@ -323,7 +327,7 @@ def _detached(ctx: Context):
     the predictions without gradient is a count, though not one the package can take from the inputs)."""
     state = ctx.states[0] if ctx.states else Fixed()
     if isinstance(state, Rows):
-        return Rows(state.axis, False, None)
+        return state.at(state.axis, False)
     if isinstance(state, Reduced):
         return Reduced(state.terms, False, state.elements, None, state.divisions)
     return Fixed(False) if isinstance(state, Fixed) else state
