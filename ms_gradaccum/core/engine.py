@@ -81,6 +81,7 @@ class ScaledLoss(PrecisionNeutral):
     def __init__(self, network: nn.Cell, kind, cls_name: str):
         super().__init__(auto_prefix=False)
         counter = TokenCounter() if kind.counts_in_network else None
+        object.__setattr__(self, "_network", network)   # the user's network (not a second child)
         self.loss_of_inputs = TupleInputs(network if counter is None else counting_view(network, kind, counter))
         # The counter's Parameters, plain attributes (held outside every cell tree: not in checkpoints).
         object.__setattr__(self, "counted", None if counter is None else counter.count)
@@ -207,9 +208,18 @@ class MicroBatchGradients(PrecisionNeutral):
         self.combines_statistics = statistics is not None
 
     def use_kind(self, kind) -> None:
-        """Trains with `kind` from the next compile on (the kind the first call's probe found: diagnostics.contract)."""
-        self.scaled_loss.kind = kind
+        """Trains with `kind` from the next compile on (the kind the loss network's graph showed: diagnostics.contract).
+        A kind that counts from the inputs replaces a recognised loss's counting (two recognised cells on the same
+        labels: one count from the inputs serves both), and the user's network runs as it is."""
+        scaled = self.scaled_loss
+        scaled.kind = kind
         self.kind_setting = kind.setting
+        if scaled.counts_in_network and not kind.counts_in_network:
+            scaled.loss_of_inputs = TupleInputs(scaled._network)   # pylint: disable=protected-access
+            object.__setattr__(scaled, "counted", None)
+            object.__setattr__(scaled, "counted_calls", None)
+            scaled.counts_in_network = self.counts_in_network = False
+            self.counted_cells = ""
 
     @compile_time
     def skips_non_finite(self) -> bool:

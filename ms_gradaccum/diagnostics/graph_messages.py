@@ -39,6 +39,8 @@ def decided(check, reading: GraphReading, public: bool):
             f"are independent. Read from the loss network's graph: {coupled.why}, at {coupled.op} in "
             f"{place(coupled.scope)}. Losses over the batch's rows together (InfoNCE over its similarity matrix, "
             f"mining over the batch, statistics over the batch inside the network) are such losses.{later}")
+    if kind.counts_in_network and reading.normalised:
+        return kind   # a recognised loss cell counts what the graph cannot replay (class weights): exact as before
     if reading.stop and not reading.normalised:
         raise LossContractError(
             f"For '{owner}', the loss of {name} is not one kind the cell can combine over micro-batches: "
@@ -59,11 +61,14 @@ def decided(check, reading: GraphReading, public: bool):
             f"network draws random values ({', '.join(reading.random)}), so comparing its values cannot settle it "
             f"either: say what the loss is. A mean over the rows: kind=ms_gradaccum.RowMean(); a sum over them: "
             f"{total}; a mean over a count of its own: {token}.")
+    if kind.counts_in_network:
+        # A recognised loss cell counts what it divides by; a count the graph shows taken from the inputs serves every
+        # cell on those labels (two heads on the same labels), counted by the package instead.
+        if getattr(found, "position", None) is not None:
+            return found
+        return kind if isinstance(found, RowMean) else None
     if not built_in(kind):
         return kind   # a kind of one's own: declared, and the graph shows the rows are not coupled
-    if kind.counts_in_network:
-        # A recognised loss cell counts what it divides by: exact where the loss is that mean (or a row mean).
-        return kind if isinstance(found, RowMean) or getattr(found, "position", None) is not None else None
     if kind.returns_count and not isinstance(found, TokenMean):
         raise LossContractError(
             f"For '{owner}', the loss of {name} is {found.description}, read from its graph, but "
