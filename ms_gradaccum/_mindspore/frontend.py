@@ -6,14 +6,16 @@
 "mind_ir")`` serialises the result: the graph's inputs and weights with their shapes, its nodes in order (the
 primitive, the input names, the output shapes, the cell scope), and its constants with their values (a tensor
 constant's raw data too, where ``"anf_ir"`` leaves it out). Checked 2.7.0-2.10.0 (``../shared/FACTS.md``,
-2026-12-01). What the compile sets on the network (its phase, argument key and compile cache) is put back, and the
-graph's resources are freed; so is the random state its random ops' seeds are taken from.
+2026-12-01). What the compile sets on the network (its phase, argument key and compile cache) is put back and the
+graph's resources are freed; so is the random state its random ops take their seeds from; the user's IR dumps
+(``save_graphs``) leave it out.
 """
 import dataclasses
 from typing import Optional
 
 import numpy as np
 
+import mindspore as ms
 from mindspore import nn
 
 try:
@@ -131,8 +133,11 @@ def forward_graph(network: nn.Cell, inputs: tuple) -> Optional[Graph]:
     caches = {name: set(getattr(network, name)) for name in ("compile_cache",) if hasattr(network, name)}
     phases = dict(network.phase_cache) if hasattr(network, "phase_cache") else None
     phase = None
+    saves = ms.get_context("save_graphs")
     try:
         with random_state_kept():
+            if saves:   # the user's IR dumps are of their graphs: this one is not written there
+                ms.set_context(save_graphs=False)
             phase, _ = _EXECUTOR.compile(network, *inputs, phase=_PHASE, do_convert=False)
         proto = _EXECUTOR._get_func_graph_proto(network, phase, "mind_ir")   # pylint: disable=protected-access
         if not proto:
@@ -141,6 +146,8 @@ def forward_graph(network: nn.Cell, inputs: tuple) -> Optional[Graph]:
         model.ParseFromString(proto)
         return _parse(model)
     finally:
+        if saves:
+            ms.set_context(save_graphs=saves)
         for name in _SET_BY_COMPILE:
             if name in kept:
                 network.__dict__[name] = kept[name]

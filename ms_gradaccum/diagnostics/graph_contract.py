@@ -26,6 +26,7 @@ class GraphReading:
         unread (str): Why the contract could not be read from the graph ("" where it was).
         stop (str): Why the loss, read whole, is no one kind the cell can count ("" where it is).
         normalised (bool): The stop is a normaliser over the batch the cell cannot count from the inputs.
+        outputs (int): The network's outputs (1: a single Tensor; 2 for ``(loss_sum, count)``).
         count_input (Optional[int]): The input a count over the rows is taken from, where the loss is such a mean.
         random (tuple): The random primitives the graph draws with.
         nodes (int): The graph's primitives applied.
@@ -35,6 +36,7 @@ class GraphReading:
     unread: str = ""
     stop: str = ""
     normalised: bool = False
+    outputs: int = 1
     count_input: Optional[int] = None
     random: tuple = ()
     nodes: int = 0
@@ -133,6 +135,12 @@ def read(network: nn.Cell, rows_of, split_positions: tuple, rows: int, other_row
 
 
 def _finding(reading, nodes: int) -> GraphReading:
+    found = _found(reading, nodes)
+    state = reading.state
+    return dataclasses.replace(found, outputs=len(state.items)) if isinstance(state, Many) else found
+
+
+def _found(reading, nodes: int) -> GraphReading:
     state = reading.state
     random = tuple(sorted(set(reading.random)))
     if isinstance(state, Many):

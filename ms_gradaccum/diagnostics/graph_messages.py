@@ -29,6 +29,8 @@ def decided(check, reading: GraphReading, public: bool):
     where the graph leaves it undecided and nothing random is drawn (the value comparison decides then)."""
     kind, owner, name = check.kind, check.owner_name, check.loss_name
     token, total = routes(public)
+    if (reading.outputs > 1) != kind.returns_count:
+        return None   # the outputs are not what the cell expects: its own check says so, on the first pass
     if reading.coupled is not None:
         coupled = reading.coupled
         later = "" if public else (" check_loss=False would train another objective (the mean of micro-batch "
@@ -62,11 +64,12 @@ def decided(check, reading: GraphReading, public: bool):
             f"either: say what the loss is. A mean over the rows: kind=ms_gradaccum.RowMean(); a sum over them: "
             f"{total}; a mean over a count of its own: {token}.")
     if kind.counts_in_network:
-        # A recognised loss cell counts what it divides by; a count the graph shows taken from the inputs serves every
-        # cell on those labels (two heads on the same labels), counted by the package instead.
-        if getattr(found, "position", None) is not None:
+        # A recognised loss cell counts what it divides by; where several do, a count the graph shows taken from the
+        # inputs serves every one on those labels (two heads on the same labels), counted by the package instead.
+        counted = getattr(found, "position", None) is not None
+        if counted and len(getattr(kind, "cells", ())) > 1:
             return found
-        return kind if isinstance(found, RowMean) else None
+        return kind if counted or isinstance(found, RowMean) else None
     if not built_in(kind):
         return kind   # a kind of one's own: declared, and the graph shows the rows are not coupled
     if kind.returns_count and not isinstance(found, TokenMean):
