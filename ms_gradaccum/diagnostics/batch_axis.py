@@ -169,6 +169,9 @@ def elementwise(ctx: Context, step=None):
     return Rows(axis, _weights(ctx.states), chain, outer)
 
 
+# A constant this small added to a sum over the rows is an epsilon against 0/0: the sum's kind is kept (exact to
+# EPSILON over the count).
+EPSILON = 1e-5
 LINEAR = {"Add", "Sub", "AddExt", "SubExt", "Neg", "Mul", "Muls", "Div", "RealDiv", "DivMod", "Maximum", "Cast",
           "Depend", "Identity", "StopGradient", "Reshape", "ExpandDims", "Squeeze", "Flatten", "Adds", "Subs"}
 
@@ -192,6 +195,11 @@ def _on_reduced(ctx: Context, reduced: list, rows: bool):
         index = 0 if isinstance(states[0], Reduced) else 1
         factor = _scalar(ctx.constants[1 - index])
         return _scaled(ctx, states[index], 1.0 / factor if factor else None)
+    if op in ("Add", "AddExt", "Adds") and len(reduced) == 1 and len(states) == 2 and reduced[0].terms == {"sum"}:
+        index = 0 if isinstance(states[0], Reduced) else 1
+        epsilon = _scalar(ctx.constants[1 - index])
+        if epsilon is not None and abs(epsilon) <= EPSILON:
+            return reduced[0]   # a count plus an epsilon against 0/0 (MindFormers' CrossEntropyLoss): the count
     if op == "Maximum" and len(reduced) == 1 and isinstance(states[0], Reduced) and states[0].chain is not None:
         floor = _scalar(ctx.constants[1]) if len(ctx.constants) > 1 else None
         if floor is not None:
