@@ -92,6 +92,14 @@ class ScaledLoss(PrecisionNeutral):
         self.owner_name = cls_name
         self.record = CompileRecord()
 
+    def uncount(self) -> None:
+        """Runs the user's network as it is, no longer its counting copy (a kind that counts from the inputs took over
+        from a recognised loss's counting: MicroBatchGradients.use_kind)."""
+        self.loss_of_inputs = TupleInputs(self._network)
+        object.__setattr__(self, "counted", None)
+        object.__setattr__(self, "counted_calls", None)
+        self.counts_in_network = False
+
     def loss_and_count(self, inputs, rows):
         """``(loss, count, calls)`` of the network on `inputs` (`rows` of them): its loss as a float32 scalar, and its
         count (1 where it returns none; what its recognised cells counted, where the kind counts in the network)."""
@@ -215,11 +223,8 @@ class MicroBatchGradients(PrecisionNeutral):
         scaled.kind = kind
         self.kind_setting = kind.setting
         if scaled.counts_in_network and not kind.counts_in_network:
-            scaled.loss_of_inputs = TupleInputs(scaled._network)   # pylint: disable=protected-access
-            object.__setattr__(scaled, "counted", None)
-            object.__setattr__(scaled, "counted_calls", None)
-            scaled.counts_in_network = self.counts_in_network = False
-            self.counted_cells = ""
+            scaled.uncount()
+            self.counts_in_network, self.counted_cells = False, ""
 
     @compile_time
     def skips_non_finite(self) -> bool:
