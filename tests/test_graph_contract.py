@@ -309,13 +309,24 @@ class OHEM(Embedder):
         return ops.topk(per_row, B // (2 * K))[0].mean()
 
 
+class ValueBranch(Embedder):
+    """A loss whose form depends on the values: summed where the batch's largest input is large, else averaged."""
+
+    def construct(self, x, y):
+        per_row = ((self.net(x) - y[:, :4]) ** 2).mean(-1)
+        if x.max() > 0.97:
+            return per_row.sum()
+        return per_row.mean()
+
+
 @pytest.mark.parametrize("make, says", [
+    (ValueBranch, "a branch on a value taken over the rows"),
     (InfoNCE, "a matrix product between rows"),
     (BatchHard, "rows on different axes meet"),
     (Dice, "per_token_loss=True"),
     (RMSE, "Sqrt of a reduction over the rows"),
     (OHEM, "TopK along the rows"),
-], ids=["info_nce", "batch_hard", "dice", "rmse", "ohem"])
+], ids=["value_branch", "info_nce", "batch_hard", "dice", "rmse", "ohem"])
 def test_graph_coupled_losses_stop_on_step_1_naming_the_primitive(make, says):
     net = make()
     before = params_of(net)

@@ -34,7 +34,8 @@ _NUMPY = {_T.BOOL: np.bool_, _T.INT8: np.int8, _T.INT16: np.int16, _T.INT32: np.
 _FLOATS = (_T.FLOAT16, _T.FLOAT, _T.DOUBLE, _T.BFLOAT16)
 # What the compile sets on the cell it compiles (mindspore/graph/api.py, _CellGraphExecutor.compile).
 _SET_BY_COMPILE = ("arguments_key", "current_phase", "compile_phase", "__parse_method__")
-NOT_A_VALUE = object()   # a constant the graph holds that is not a number, a tuple or an array (a monad, a type)
+NOT_A_VALUE = object()
+CALL = "<call>"   # the op of a node that calls a graph the graph computes (control flow)   # a constant the graph holds that is not a number, a tuple or an array (a monad, a type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,14 +113,19 @@ def _shape_value(attribute):
 
 def _parse(proto) -> Graph:
     graph = proto.graph
+    primitives = {primitive.name for primitive in proto.primitives}
     constants, nodes = {}, []
     for node in graph.node:
         if node.op_type == "Constant":
             constants[node.output[0]] = _attribute_value(node.attribute[0]) if node.attribute else NOT_A_VALUE
             continue
-        # "REF::MatMul:5": a reference to the primitive "MatMul:5" of the model's table.
-        op = node.op_type.split("::", 1)[-1].rsplit(":", 1)[0]
-        nodes.append(Node(node.output[0], op, tuple(node.input), _output_value(node), node.domain))
+        # "REF::MatMul:5": a reference to the primitive "MatMul:5" of the model's table; anything else applies a
+        # value the graph computes (a branch chosen by Switch, a subgraph): CALL.
+        target = node.op_type[5:] if node.op_type.startswith("REF::") else None
+        op = target.rsplit(":", 1)[0] if target in primitives else CALL
+        # A call's first input is what it calls (a Switch's output: the branch taken).
+        called = (target,) if op == CALL and target else ()
+        nodes.append(Node(node.output[0], op, called + tuple(node.input), _output_value(node), node.domain))
     values = {item.name: _tensor_value(item.tensor[0]) for item in graph.input if item.tensor}
     return Graph(tuple(item.name for item in graph.input), values,
                  frozenset(item.name for item in graph.parameter), tuple(nodes), constants,

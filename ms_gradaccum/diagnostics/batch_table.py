@@ -18,14 +18,14 @@ The contract of every rule, up front:
   statistics are the separate, warned case): row-wise with the rows first.
 - *Loss primitives* with a reduction argument: none, a sum or a mean over the rows.
 - *Random draws* and values made from no row's data (zeros, ranges, shapes): fixed; dropout is row-wise.
-- Any other primitive: fixed where no input carries rows, else :class:`Unknown` (the contract is then not read from
-  the graph).
+- Control flow (Switch, Partial, a call of a computed graph) is :class:`Unknown`; any other primitive is fixed where
+  no input carries rows, else :class:`Unknown` (the contract is then not read from the graph).
 """
 import dataclasses
 
-from ms_gradaccum._mindspore.frontend import NOT_A_VALUE, Graph
+from ms_gradaccum._mindspore.frontend import CALL, NOT_A_VALUE, Graph
 from ms_gradaccum.diagnostics import batch_rules as _r
-from ms_gradaccum.diagnostics.batch_axis import (Context, Fixed, Many, Reduced, Rows, Unknown, elementwise)
+from ms_gradaccum.diagnostics.batch_axis import (Context, Coupled, Fixed, Many, Reduced, Rows, Unknown, elementwise)
 
 _ELEMENTWISE = (
     "Add Sub Mul Div RealDiv Muls Adds Subs AddExt SubExt Neg Exp Exp2 Expm1 Log Log1p Log2 Sqrt Rsqrt Square Pow "
@@ -48,6 +48,9 @@ RANDOM = frozenset((
     "RandLikeExt RandnLike RandInt RandIntLike NormalFloatFloat NormalTensorTensor NormalTensorFloat NormalFloatTensor "
     "RandpermExt Randperm Multinomial MultinomialExt Bernoulli BernoulliExt RandomCategorical Gamma Poisson"
 ).split())
+
+# Control flow: the branch taken is a value; what it computes is not read (the contract is then undecided).
+CONTROL = frozenset(("Switch", "SwitchLayer", "Partial", "While", "J", "ZerosLikeGraph", CALL))
 
 RULES = dict(
     {op: elementwise for op in _ELEMENTWISE},
@@ -129,6 +132,17 @@ def analyse(graph: Graph, split: dict, rows: int, literals: frozenset = frozense
             whole = given[0] if given else Fixed()
             states[node.name] = whole.items[index] if isinstance(whole, Many) and isinstance(index, int) and \
                 index < len(whole.items) else whole
+            continue
+        if node.op == "Switch" and given and isinstance(given[0], (Coupled, Reduced)):
+            # The branch taken depends on a value over the rows: a micro-batch may take another than the batch.
+            states[node.name] = Coupled(node.op, node.scope, "a branch on a value taken over the rows (the form of "
+                                                             "the loss depends on the batch's values)")
+            continue
+        if node.op in CONTROL:
+            dead = _r._first_dead(given)
+            states[node.name] = dead if isinstance(dead, Coupled) else Unknown(
+                node.op, node.scope, "control flow (a branch or a loop on the values)")
+            unruled.append((node.op, node.scope))
             continue
         constants = [graph.constants.get(name, NOT_A_VALUE) for name in inputs]
         ctx = Context(node, given, [_shape(graph, shapes, name) for name in inputs], constants, rows,
