@@ -121,9 +121,9 @@ def test_real_models_llama_ragged_masked_batches_through_the_token_route(mode, c
     np.testing.assert_allclose([float(loss.asnumpy().reshape(-1)[0]) for loss in losses],
                                [float(loss.asnumpy().reshape(-1)[0]) for loss in expected_losses], rtol=1e-5)
     # Negative control: MindFormers' mean per micro-batch, weighted by rows (declared so: no warning), trains off. The
-    # probe stops it on the first call: an initialised LLaMA's micro-batch losses are alike, its gradients are not.
-    with pytest.raises(ValueError, match=r"the loss of LlamaForCausalLM does not combine over micro-batches: .*"
-                                         r"per_token_loss=True"):
+    # graph stops it on the first call: the loss divides by a count of tokens (its mask, from ids and labels).
+    with pytest.raises(ValueError, match=r"the loss of LlamaForCausalLM is normalised over the batch by what the cell "
+                                         r"cannot count from the inputs alone: .*per_token_loss=True"):
         _train(make_llama(), accumulating(cell, per_token_loss=False), batches)
     control, _, _ = _train(make_llama(), accumulating(cell, per_token_loss=False, check_loss=False), batches)
     with pytest.raises(AssertionError, match="differs from the reference by"):

@@ -34,8 +34,8 @@ _NUMPY = {_T.BOOL: np.bool_, _T.INT8: np.int8, _T.INT16: np.int16, _T.INT32: np.
 _FLOATS = (_T.FLOAT16, _T.FLOAT, _T.DOUBLE, _T.BFLOAT16)
 # What the compile sets on the cell it compiles (mindspore/graph/api.py, _CellGraphExecutor.compile).
 _SET_BY_COMPILE = ("arguments_key", "current_phase", "compile_phase", "__parse_method__")
-NOT_A_VALUE = object()
-CALL = "<call>"   # the op of a node that calls a graph the graph computes (control flow)   # a constant the graph holds that is not a number, a tuple or an array (a monad, a type)
+NOT_A_VALUE = object()   # a constant the graph holds that is not a number, a tuple or an array (a monad, a type)
+CALL = "<call>"   # the op of a node that calls a graph the graph computes (control flow)
 
 
 @dataclasses.dataclass(frozen=True)

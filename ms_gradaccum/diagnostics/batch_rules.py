@@ -4,7 +4,7 @@ from typing import Optional
 
 import numpy as np
 
-from ms_gradaccum.diagnostics.batch_axis import (COMPARE, DEAD, SWAPPED, Context, Coupled, Fixed, Many, Reduced, Rows,
+from ms_gradaccum.diagnostics.batch_axis import (COMPARE, DEAD, SWAPPED, Context, Fixed, Many, Reduced, Rows,
                                                  Unknown, _first_dead, _rank, _scalar, _weights, elementwise)
 
 
@@ -58,7 +58,8 @@ def _reshaped(ctx: Context):
         if prefix % extent == 0 and (extent * size) % (prefix * ctx.rows) == 0 and (size != 1 or ctx.rows == 1):
             chain = state.chain
             if chain is not None:
-                chain = (chain[0], chain[1] + (("reshape", tuple(-1 if a == axis else d for a, d in enumerate(after))),))
+                target = tuple(-1 if a == axis else d for a, d in enumerate(after))
+                chain = (chain[0], chain[1] + (("reshape", target),))
             return Rows(axis, state.weights, chain, prefix // extent)
         extent *= size
     return Unknown(ctx.node.op, ctx.node.scope, "a reshape that spreads the rows over two axes")
@@ -245,7 +246,8 @@ def _per_sample(ctx: Context):
         return Many((Fixed(weights),) * ctx.several) if ctx.several else Fixed(weights)
     if state.axis != 0 or state.outer != 1:
         return Unknown(ctx.node.op, ctx.node.scope, "a per-sample op with the rows on another axis than the first")
-    if ctx.node.op == "LayerNorm" and isinstance(ctx.constants[3], int) and ctx.constants[3] % _rank(ctx.shapes[0]) == 0:
+    begin = ctx.constants[3] if ctx.node.op == "LayerNorm" and len(ctx.constants) > 3 else None
+    if isinstance(begin, int) and begin % _rank(ctx.shapes[0]) == 0:
         return ctx.coupled("a LayerNorm over the rows")
     rows = Rows(0, weights)
     if ctx.several:

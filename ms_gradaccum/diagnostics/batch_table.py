@@ -43,6 +43,12 @@ _FIXED = (
     "StandardNormal UniformReal UniformInt RandomStandardNormal Randn RandExt RandLikeExt RandnLike RandInt "
     "RandIntLike NormalFloatFloat NormalTensorTensor NormalTensorFloat NormalFloatTensor RandpermExt Randperm"
 ).split()
+_PER_SAMPLE = (
+    "Conv2D Conv2DExt Conv1DExt Conv3D Convolution Conv2DTranspose Conv2DBackpropInput MaxPool MaxPoolWithArgmax "
+    "AvgPool AvgPool2D AdaptiveAvgPool2D AdaptiveAvgPool2DExt AdaptiveAvgPool1D ResizeBilinear ResizeBilinearV2 "
+    "ResizeNearestNeighbor UpsampleNearest2D UpsampleBilinear2D PadV3 Pad ConstantPadND ReflectionPad2d LayerNorm "
+    "LayerNormExt LayerNormV3 RmsNorm GroupNorm BatchNorm BatchNormExt InstanceNorm DepthToSpace SpaceToDepth Im2Col"
+).split()
 RANDOM = frozenset((
     "Dropout DropoutExt DropoutGenMask StandardNormal UniformReal UniformInt RandomStandardNormal Randn RandExt "
     "RandLikeExt RandnLike RandInt RandIntLike NormalFloatFloat NormalTensorTensor NormalTensorFloat NormalFloatTensor "
@@ -76,12 +82,7 @@ RULES = dict(
     Gather=_r._gathered, GatherD=_r._gathered_d, OneHot=_r._one_hot, OneHotExt=_r._one_hot,
     **{op: _r._joined for op in "Concat Stack StackExt".split()},
     **{op: _r._split for op in "Split SplitWithSize SplitTensor Chunk".split()},
-    **{op: _r._per_sample for op in "Conv2D Conv2DExt Conv1DExt Conv3D Convolution Conv2DTranspose Conv2DBackpropInput "
-                                    "MaxPool MaxPoolWithArgmax AvgPool AvgPool2D AdaptiveAvgPool2D AdaptiveAvgPool2DExt "
-                                    "AdaptiveAvgPool1D ResizeBilinear ResizeBilinearV2 ResizeNearestNeighbor "
-                                    "UpsampleNearest2D UpsampleBilinear2D PadV3 Pad ConstantPadND ReflectionPad2d "
-                                    "LayerNorm LayerNormExt LayerNormV3 RmsNorm GroupNorm BatchNorm BatchNormExt "
-                                    "InstanceNorm DepthToSpace SpaceToDepth Im2Col".split()},
+    **{op: _r._per_sample for op in _PER_SAMPLE},
     Dropout=_r._with_mask(elementwise), DropoutExt=_r._with_mask(elementwise),
     SparseSoftmaxCrossEntropyWithLogits=_r._loss_primitive(None, mean_by_default=True),
     SoftmaxCrossEntropyWithLogits=_r._per_row_loss,

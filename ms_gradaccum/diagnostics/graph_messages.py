@@ -74,15 +74,15 @@ def decided(check, reading: GraphReading, public: bool):
         return kind   # a kind of one's own: declared, and the graph shows the rows are not coupled
     if kind.returns_count and not isinstance(found, TokenMean):
         raise LossContractError(
-            f"For '{owner}', the loss of {name} is {found.description}, read from its graph, but "
-            f"{taken_as(check, kind)}: return the sum over the rows and the count, not their mean, or leave "
-            f"per_token_loss unset and the cell trains it as what it is.")
+            f"For '{owner}', the loss of {name} is {found.description}, but {taken_as(check, kind)}: return the sum "
+            f"over the rows and the count, not their mean, or leave per_token_loss unset and the cell trains it as "
+            f"what it is. Read from the loss network's graph.")
     if check.declared and not agrees(found, kind):
         undeclared = "pass kind=None" if public else "leave per_token_loss, reduction and kind unset"
         raise LossContractError(
-            f"For '{owner}', the loss of {name} is {found.description}, read from its graph, but "
-            f"{taken_as(check, kind)}: {undeclared} and the cell trains it as what it is (counted per micro-batch "
-            f"on every step), or {token}.")
+            f"For '{owner}', the loss of {name} is {found.description}, but {taken_as(check, kind)}: {undeclared} "
+            f"and the cell trains it as what it is (counted per micro-batch on every step), or {token}. Read from the "
+            f"loss network's graph.")
     if isinstance(found, TokenMean) and isinstance(kind, TokenMean):
         return kind
     return found
