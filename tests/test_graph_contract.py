@@ -163,8 +163,8 @@ def test_graph_counts_what_the_loss_divides_by_whatever_the_network_holds(make, 
     assert cell.kind == kind if isinstance(kind, IgnoredLabelMean) else isinstance(cell.kind, kind), cell.kind
 
 
-@pytest.mark.parametrize("ignore", [-1, 0, 1, 255])
-@pytest.mark.parametrize("nll", [False, True], ids=["cross_entropy", "nll_loss"])
+@pytest.mark.parametrize("ignore, nll", [(-1, False), (0, True), (1, False), (255, True)],
+                         ids=["-1-cross_entropy", "0-nll_loss", "1-cross_entropy", "255-nll_loss"])
 def test_graph_ignore_values_other_than_minus_100(ignore, nll):
     # ops.cross_entropy / ops.nll_loss with ignore_index -1, 0, 1 (RoBERTa's pad id) and 255 (segmentation): the
     # graph holds the value; each is counted as the -100 ones are.
