@@ -19,9 +19,14 @@ NETWORK, FORWARD = 11, 4
 def matmul_count(kind: str, micro_size: int, directory: str, batch: int = 64) -> int:
     run_worker("mlp", kind, micro_size, batch, steps=1, MS_DEV_SAVE_GRAPHS="1", MS_DEV_SAVE_GRAPHS_PATH=directory)
     validated = glob.glob(os.path.join(directory, "**", "*_validate_*.ir"), recursive=True)
-    assert len(validated) == 1, f"expected one validated graph IR under {directory}, found {validated}"
-    with open(validated[0], encoding="utf-8") as handle:
-        return handle.read().count("MatMul(")
+    # The train step's graph, and the loss contract's compile of the forward alone where it read the graph (with
+    # MS_DEV_SAVE_GRAPHS set MindSpore dumps every compile): the step's holds the most MatMuls.
+    assert 1 <= len(validated) <= 2, f"expected the step's validated graph IR under {directory}, found {validated}"
+    counts = []
+    for path in validated:
+        with open(path, encoding="utf-8") as handle:
+            counts.append(handle.read().count("MatMul("))
+    return max(counts)
 
 
 @pytest.mark.slow

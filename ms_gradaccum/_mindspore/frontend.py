@@ -7,8 +7,8 @@
 primitive, the input names, the output shapes, the cell scope), and its constants with their values (a tensor
 constant's raw data too, where ``"anf_ir"`` leaves it out). Checked 2.7.0-2.10.0 (``../shared/FACTS.md``,
 2026-12-01). What the compile sets on the network (its phase, argument key and compile cache) is put back and the
-graph's resources are freed; so is the random state its random ops take their seeds from; the user's IR dumps
-(``save_graphs``) leave it out.
+graph's resources are freed; so is the random state its random ops take their seeds from. IR dumps asked for in the
+context (``save_graphs``) leave it out; ``MS_DEV_SAVE_GRAPHS``, which MindSpore reads once, dumps it beside the step's.
 """
 import dataclasses
 from typing import Optional
