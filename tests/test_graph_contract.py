@@ -143,7 +143,7 @@ def assert_exact_with_control(make, batches, mode=ms.GRAPH_MODE, unused=()):
 
 @pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, id="graph"), pytest.param(ms.PYNATIVE_MODE,
                                                                                          id="pynative")])
-def test_graph_integer_input_network_with_dropout_counts_its_ignored_labels(mode):
+def test_graph_contract_integer_input_network_with_dropout_counts_its_ignored_labels(mode):
     # The gradient probe needed a float input and the value comparison a network without random draws: this one has
     # neither, and trained 38% off. Read from the graph: a mean over the labels that are not -100, counted.
     cell = assert_exact_with_control(IgnoredMean, token_batches(4), mode)
@@ -155,7 +155,7 @@ def test_graph_integer_input_network_with_dropout_counts_its_ignored_labels(mode
     (ShiftedMaskMean, InputCountMean),
     (IdsMaskMean, IgnoredLabelMean(0, 0)),
 ], ids=["unused_head_last", "shifted_labels_ge_0", "mask_from_ids"])
-def test_graph_counts_what_the_loss_divides_by_whatever_the_network_holds(make, kind):
+def test_graph_contract_counts_what_the_loss_divides_by_whatever_the_network_holds(make, kind):
     # An unused head defined last blinded the probe of the last two weights; a `labels >= 0` mask after a shift and
     # a mask built from the ids are counts taken from one input, replayed per micro-batch.
     batches = token_batches(4, ignore=-1) if make is ShiftedMaskMean else token_batches(4)
@@ -165,7 +165,7 @@ def test_graph_counts_what_the_loss_divides_by_whatever_the_network_holds(make, 
 
 @pytest.mark.parametrize("ignore, nll", [(-1, False), (0, True), (1, False), (255, True)],
                          ids=["-1-cross_entropy", "0-nll_loss", "1-cross_entropy", "255-nll_loss"])
-def test_graph_ignore_values_other_than_minus_100(ignore, nll):
+def test_graph_contract_ignore_values_other_than_minus_100(ignore, nll):
     # ops.cross_entropy / ops.nll_loss with ignore_index -1, 0, 1 (RoBERTa's pad id) and 255 (segmentation): the
     # graph holds the value; each is counted as the -100 ones are.
     vocab_ignore = ignore if ignore < VOCAB else 255
@@ -174,13 +174,13 @@ def test_graph_ignore_values_other_than_minus_100(ignore, nll):
     assert cell.kind == IgnoredLabelMean(1, vocab_ignore), cell.kind
 
 
-def test_graph_rows_the_probe_read_all_ignored_on_step_1():
+def test_graph_contract_rows_the_probe_read_all_ignored_on_step_1():
     # The probe read fixed rows (the first halves of micro-batches 0 and 1); all their labels -100 on step 1 left it
     # undecided. The graph does not read rows.
     assert_exact_with_control(IgnoredMean, token_batches(4, first_rows_ignored=True))
 
 
-def test_graph_two_losses_on_the_same_labels_share_one_count():
+def test_graph_contract_two_losses_on_the_same_labels_share_one_count():
     # Stopped before ("these loss cells ran 2 times"), though one count serves both: the graph shows two means over
     # the same count. Control: with the check off, the recognised cells' own counting still refuses two calls.
     batches = token_batches(4)
@@ -235,7 +235,7 @@ def float_batches(steps, seed=0, binary=False):
 
 
 @pytest.mark.parametrize("make, binary", [(NoisySum, False), (VAE, True)], ids=["sum_with_noise", "vae"])
-def test_graph_sums_in_networks_that_draw_train_as_sums(make, binary):
+def test_graph_contract_sums_in_networks_that_draw_train_as_sums(make, binary):
     # The value comparison ran only where nothing is random: these trained with 1/micro_size of the gradient.
     cell = assert_exact_with_control(make, float_batches(3, binary=binary))
     assert cell.kind == RowSum(), cell.kind
@@ -254,7 +254,7 @@ class CTCMean(nn.Cell):
         return self.loss(log_probs, targets, input_lengths, target_lengths)
 
 
-def test_graph_ctc_mean_is_a_row_mean_no_value_written_into_its_targets():
+def test_graph_contract_ctc_mean_is_a_row_mean_no_value_written_into_its_targets():
     # The probe wrote -100 into the targets, which sent the CPU CTC kernel out of range: a false alarm. The graph is
     # read, nothing is written into an input.
     rng = np.random.RandomState(0)
@@ -327,7 +327,7 @@ class ValueBranch(Embedder):
     (RMSE, "Sqrt of a reduction over the rows"),
     (OHEM, "TopK along the rows"),
 ], ids=["value_branch", "info_nce", "batch_hard", "dice", "rmse", "ohem"])
-def test_graph_coupled_losses_stop_on_step_1_naming_the_primitive(make, says):
+def test_graph_contract_coupled_losses_stop_on_step_1_naming_the_primitive(make, says):
     net = make()
     before = params_of(net)
     step = nn.TrainOneStepCell(GradAccumulationCell(net, K), nn.Momentum(net.trainable_params(), 0.1, 0.9))
@@ -345,7 +345,7 @@ def test_graph_coupled_losses_stop_on_step_1_naming_the_primitive(make, says):
     assert off(control, expected, initial) > 1e-3
 
 
-def test_graph_reading_is_reported_and_needs_no_eager_pass(monkeypatch):
+def test_graph_contract_reading_is_reported_and_needs_no_eager_pass(monkeypatch):
     # check_loss_contract reports what the graph showed; no network pass runs (the eager runner is not called).
     from ms_gradaccum.diagnostics import eager   # pylint: disable=import-outside-toplevel
     calls = []
