@@ -198,17 +198,23 @@ class ContractCheck(PrecisionNeutral):
         return bool(inputs) and not any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape))
                                         for x in inputs)
 
+    def _batch(self, engine: nn.Cell, inputs: tuple) -> Optional[BatchRows]:
+        """`inputs` split as the engine splits them, or None where the contract cannot be read on them (not reachable
+        from Python, fewer than two micro-batches)."""
+        if not self.reachable(inputs):
+            return None
+        batch = BatchRows(engine, inputs)
+        return batch if len(batch.micro_rows) >= 2 else None
+
     def read_graph(self, engine: nn.Cell, inputs: tuple, public: bool = False) -> Optional[Findings]:
         """The contract read from the loss network's graph (diagnostics.graph_contract), compiled for micro-batch 0's
         inputs: raises :class:`LossContractError` where it shows the loss does not combine, else returns what it
         found; None where the graph leaves it undecided and the network draws nothing random (the probe's value
         comparison decides then)."""
-        if not self.reachable(inputs):
+        batch = self._batch(engine, inputs)
+        if batch is None:
             return None
-        batch = BatchRows(engine, inputs)
         sizes = batch.micro_rows
-        if len(sizes) < 2:
-            return None
         try:
             other = sizes[0] - 1 if sizes[0] > 1 else min(2, batch.batch)
             reading = graph_contract.read(self._user_network, lambda rows: batch.rows(0, rows),
@@ -228,12 +234,10 @@ class ContractCheck(PrecisionNeutral):
         stops an undeclared one). Raises :class:`LossContractError` where the loss does not combine, else returns
         what it found; None where it cannot run (the graph compares then). `public`: messages name
         ``check_loss_contract``'s arguments."""
-        if not self.reachable(inputs):
+        batch = self._batch(engine, inputs)
+        if batch is None:
             return None
-        batch = BatchRows(engine, inputs)
         sizes = batch.micro_rows
-        if len(sizes) < 2:
-            return None
         starts = np.cumsum([0] + sizes[:-1]).tolist()
         compared = (float("nan"), float("nan"), 0, None)
         network = self._network
