@@ -1,5 +1,6 @@
 """How the cell presents itself to MindSpore in each parallel mode (checked on CPU, where
 SEMI_AUTO_PARALLEL/AUTO_PARALLEL cannot compile): routing, markers and the loss/gradient contract."""
+import re
 import subprocess
 import sys
 
@@ -364,3 +365,53 @@ def test_parallel_modes_each_rank_batch_must_split_evenly(shapes, splits, messag
     for kind, what in (((), "a 0-d Tensor"), (None, "not a Tensor")):
         with pytest.raises(ValueError, match=rf"slices every input along axis 0, but input 1 is {what}"):
             check(((16, 16), kind), (1,), K, "semi_auto_parallel")
+
+
+class _LabelsNotMinusOne(nn.Cell):
+    """``ops.cross_entropy`` leaving out the labels that are -1: a mean over a count taken from the labels."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def construct(self, x, y):
+        return ms.ops.cross_entropy(self.net(x), y, ignore_index=-1)
+
+
+class _Centred(nn.Cell):
+    """Statistics over the batch inside the loss: the rows are coupled."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def construct(self, x, y):
+        out = self.net(x)
+        return ((out - out.mean(0)) ** 2).mean()
+
+
+@pytest.mark.parametrize("mode", [ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.ParallelMode.AUTO_PARALLEL])
+def test_parallel_modes_semi_auto_loss_contract_read_from_the_graph_before_the_compile(mode):
+    # Under semi-auto/auto parallel MindSpore's pass weighs each micro-batch 1/micro_size: the loss network's graph is
+    # read (stand-alone, the context put back) before the step compiles. A coupled loss and a mean over a count stop
+    # with the package's message; a row mean (control) goes on to MindSpore's compile, which on CPU refuses the mode.
+    x, y = classification_batches(1, 32)[0]
+    for loss, expected in ((_Centred, "couples the rows"),
+                           (_LabelsNotMinusOne, r"labels of input 1 that are not -1, as read from the loss network's "
+                                                r"graph, but under semi-auto/auto parallel MindSpore's parallel pass"),
+                           (lambda net: nn.WithLossCell(net, ce()), None)):
+        ms.set_auto_parallel_context(parallel_mode=mode)
+        net = make_mlp()
+        before = [param.asnumpy() for param in net.get_parameters()]
+        cell = GradAccumulationCell(loss(net), K)
+        model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1))
+        with pytest.raises((ValueError, RuntimeError)) as raised:
+            model._train_network.compile(Tensor(x), Tensor(y))  # pylint: disable=protected-access
+        message = str(raised.value)
+        if expected is None:
+            assert "For 'GradAccumulationCell'" not in message and "semi_auto_parallel/auto_parallel" in message, \
+                message
+        else:
+            assert re.search(expected, message), message
+        assert ms.get_auto_parallel_context("parallel_mode") == mode   # the reading put the mode back
+        assert all(np.array_equal(param.asnumpy(), value) for param, value in zip(net.get_parameters(), before))

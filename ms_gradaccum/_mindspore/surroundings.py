@@ -19,6 +19,14 @@ from mindspore import nn
 # optimizer divides by its loss_scale (mindspore/train/amp.py::build_train_network). Named here for
 # cells.grad_accumulation and .parallel.
 from mindspore.nn.wrap.cell_wrapper import _TrainGradAccuStepCell as TrainGradAccuStepCell  # noqa: F401
+from mindspore.nn.wrap.loss_scale import _TrainGradAccuWithLossScaleCell
+from mindspore.parallel.auto_parallel import AutoParallel
+
+# The cells whose construct hands its inputs, unchanged, to `self.network` (mindspore/nn/wrap/cell_wrapper.py,
+# loss_scale.py, parallel/auto_parallel.py; checked 2.7.0-2.10.0): what Model builds around a package cell (for
+# semi-auto/auto parallel too), and what hand-written loops use. Exact types: a subclass may change the inputs.
+PASS_THROUGH = (nn.TrainOneStepCell, nn.TrainOneStepWithLossScaleCell, TrainGradAccuStepCell,
+                _TrainGradAccuWithLossScaleCell, AutoParallel)
 
 
 def applied_sens(train_cell: nn.TrainOneStepCell) -> Optional[float]:
@@ -97,6 +105,22 @@ def parallel_pass_in_force() -> bool:
     """Whether MindSpore's semi-auto/auto-parallel pass accumulates (the mode in force now: ``AutoParallel`` sets it
     only while Model builds its train cell and while the graph compiles): the one definition the package reads."""
     return parallel_mode() in PARALLEL_PASS_MODES
+
+
+@contextlib.contextmanager
+def stand_alone():
+    """The parallel mode set to stand-alone while the block runs, then put back (the rest of the auto-parallel context
+    is untouched: public API): the loss contract reads and runs the loss network alone, on this process, where the
+    semi-auto/auto-parallel pass would otherwise plan a distributed graph for it."""
+    mode = parallel_mode()
+    if mode == ms.ParallelMode.STAND_ALONE:
+        yield
+        return
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.STAND_ALONE)
+    try:
+        yield
+    finally:
+        ms.set_auto_parallel_context(parallel_mode=mode)
 
 
 def data_parallel_in_force() -> bool:

@@ -12,19 +12,14 @@ and again when the inputs' layout changes.
 from mindspore import nn
 
 from ms_gradaccum._mindspore.graph import in_function_gradient
-from ms_gradaccum._mindspore.surroundings import child
+from ms_gradaccum._mindspore.surroundings import PASS_THROUGH, child
 from ms_gradaccum.core.microbatch import check_tensor_inputs
 
-# The train cells whose construct hands its inputs, unchanged, to `self.network` (mindspore/nn/wrap/cell_wrapper.py,
-# loss_scale.py; checked 2.7.0-2.10.0): what Model builds around GradAccumulationCell, and hand-written loops use.
-# Exact types: a subclass may change the inputs.
-_PASS_THROUGH = (nn.TrainOneStepCell, nn.TrainOneStepWithLossScaleCell)
-
-
 def inner_cell(cell: nn.Cell) -> nn.Cell:
-    """The cell whose inputs are `cell`'s own: the network of a pass-through train cell, else `cell` itself."""
-    if type(cell) in _PASS_THROUGH:   # pylint: disable=unidiomatic-typecheck
-        return getattr(cell, "network", None)
+    """The cell whose inputs are `cell`'s own: followed down through the cells that hand their inputs on unchanged
+    (``_mindspore.surroundings.PASS_THROUGH``: the train cells ``Model`` builds, ``AutoParallel``), else `cell`."""
+    while type(cell) in PASS_THROUGH:   # pylint: disable=unidiomatic-typecheck
+        cell = getattr(cell, "network", None)
     return cell
 
 

@@ -10,29 +10,30 @@ undecided (control flow, a primitive without a rule) and the network draws no ra
 :meth:`ContractCheck.probe` compares every row's values eagerly: each micro-batch's loss, and each micro-batch with the
 next together, as the kind combines them, to a relative tolerance.
 
-Where the batch cannot be reached from Python (a train cell of one's own, a ``jit`` function, sink mode), or under
-semi-auto/auto parallel, the graph compares the first two micro-batches' values on its first run instead
-(:meth:`ContractCheck.construct`).
+Under semi-auto/auto parallel the loss network is read (and, where undecided, run) stand-alone, and a kind MindSpore's
+parallel pass cannot train (it weighs each micro-batch's loss ``1/micro_size``: a row mean only) stops before the
+compile. Where the batch cannot be reached from Python (a train cell of one's own, a ``jit`` function, sink mode), the
+graph compares the first two micro-batches' values on its first run instead (:meth:`ContractCheck.construct`).
 """
 import dataclasses
 from typing import Optional
 
 import numpy as np
-import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
 from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.randomness import HeldDraws
-from ms_gradaccum._mindspore.surroundings import parallel_mode
+from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, stand_alone
 from ms_gradaccum.core.base import PrecisionNeutral, Unsaved
 from ms_gradaccum.core.kinds import IGNORE_INDEX, IgnoredLabelMean
 from ms_gradaccum.core.microbatch import SPLIT, assemble, micro_batch_rows
 from ms_gradaccum.core.validation import batch_norm_cells, computes_in_float16, readable
 from ms_gradaccum.diagnostics import graph_contract
 from ms_gradaccum.diagnostics.eager import BatchRows, own_gradients_off, run_eagerly, runs_on, training_off
-from ms_gradaccum.diagnostics.graph_messages import LossContractError, decided, routes, taken_as
+from ms_gradaccum.diagnostics.graph_messages import (LossContractError, beyond_parallel_pass, decided, routes,
+                                                      taken_as)
 
 # Relative tolerance of the value comparisons: float32 reductions in another order; float16 networks round far more.
 RTOL, RTOL_FLOAT16 = 1e-3, 2e-2
@@ -177,9 +178,12 @@ class ContractCheck(PrecisionNeutral):
         if self.probed and layout == self.layout:
             return None
         try:
-            findings = self.read_graph(engine, inputs)
-            if findings is None:
-                findings = self.probe(engine, inputs)
+            with stand_alone():   # semi-auto/auto parallel: the loss network read and run alone, on this process
+                findings = self.read_graph(engine, inputs)
+                if findings is None:
+                    findings = self.probe(engine, inputs)
+            if findings is not None and parallel_pass_in_force() and not findings.kind.in_parallel_pass:
+                raise LossContractError(beyond_parallel_pass(self, findings.kind))
         except LossContractError as error:
             error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
             raise
@@ -192,9 +196,8 @@ class ContractCheck(PrecisionNeutral):
         return findings.kind if findings.kind != self.kind else None
 
     def reachable(self, inputs: tuple) -> bool:
-        """Whether the probe can run on `inputs`: stand-alone or data parallel, Tensors with data and static shapes."""
-        if parallel_mode() not in (ms.ParallelMode.STAND_ALONE, ms.ParallelMode.DATA_PARALLEL):
-            return False
+        """Whether the contract can be read on `inputs`: Tensors with data and static shapes (in any parallel mode:
+        under semi-auto/auto parallel it is read stand-alone)."""
         return bool(inputs) and not any(isinstance(x, Tensor) and (x.has_init or any(d < 0 for d in x.shape))
                                         for x in inputs)
 

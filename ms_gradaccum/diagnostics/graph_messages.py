@@ -23,6 +23,15 @@ def taken_as(check, kind) -> str:
     return f"the cell takes the loss for {kind.description}"
 
 
+def beyond_parallel_pass(check, kind) -> str:
+    """The stop where the loss is a kind MindSpore's semi-auto/auto-parallel pass cannot train (it averages the
+    micro-batches' losses: a row mean only)."""
+    return (f"For '{check.owner_name}', the loss of {check.loss_name} is {kind.description}, as read from the loss "
+            f"network's graph, but under semi-auto/auto parallel MindSpore's parallel pass weighs each micro-batch's "
+            f"loss 1/micro_size (a mean over rows), which would not give the full batch's update. Return a mean over "
+            f"the rows, train with micro_size=1, or train data parallel (where the cell trains this kind exactly).")
+
+
 def decided(check, reading: GraphReading, public: bool):
     """The kind `check`'s cell trains with, as `reading` shows the loss; raises :class:`LossContractError` where the
     rows are coupled, the loss is not one kind the cell can count, or it contradicts what the user declared; None
