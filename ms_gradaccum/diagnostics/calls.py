@@ -4,9 +4,8 @@ The cells call them (``cells.binding``); a steady call runs no package Python.
 
 GRAPH_MODE: the compile hook (``cells.compile_hook``) calls the cell's ``before_compile``, which runs
 :func:`probe_first_call` where the batch reaches the cell being compiled unchanged (the package cell, or
-the train cells ``Model`` builds around it, ``AutoParallel``); where it reaches the cell only inside the graph (a train
-cell of one's own, sink mode), :func:`read_after_compile` reads the graph after the compile, before it runs; in a
-``jit`` function, and where that reading is undecided, the graph compares values itself on its first run
+``nn.TrainOneStepCell``/``nn.TrainOneStepWithLossScaleCell`` around it); where it cannot be reached (a train cell of
+one's own, a ``jit`` function, sink mode) the graph compares values itself on its first run
 (``contract.ContractCheck.construct``). PyNative mode: the cells' own ``__call__`` runs the probe on the first call,
 and again when the inputs' layout changes.
 """

@@ -12,10 +12,8 @@ next together, as the kind combines them, to a relative tolerance.
 
 Under semi-auto/auto parallel the loss network is read (and, where undecided, run) stand-alone, and a kind MindSpore's
 parallel pass cannot train (it weighs each micro-batch's loss ``1/micro_size``: a row mean only) stops before the
-compile. Where the batch reaches the cell only inside the graph (a train cell of one's own, sink mode), the graph is
-read after the compile, before it runs (:meth:`ContractCheck.read_compiled`); where that leaves the contract undecided,
-and in a ``jit`` function, the graph compares the first two micro-batches' values on its first run
-(:meth:`ContractCheck.construct`).
+compile. Where the batch cannot be reached from Python (a train cell of one's own, a ``jit`` function, sink mode), the
+graph compares the first two micro-batches' values on its first run instead (:meth:`ContractCheck.construct`).
 """
 import dataclasses
 from typing import Optional
