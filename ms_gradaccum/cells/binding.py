@@ -21,7 +21,7 @@ from mindspore import nn
 
 from ms_gradaccum._mindspore.surroundings import Surroundings, around, child
 from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
-from ms_gradaccum.diagnostics.calls import compile_error_context, inner_cell, probe_first_call
+from ms_gradaccum.diagnostics.calls import compile_error_context, inner_cell, probe_first_call, read_after_compile
 
 NOTHING_AROUND = Surroundings()
 
@@ -82,6 +82,12 @@ class BoundCell:
         object.__setattr__(self, "compiling_from_root", True)
         if inner_cell(root) is self:
             probe_first_call(self, args)
+
+    def compiled(self) -> None:
+        """After a compile :meth:`before_compile` prepared succeeded, before its graph runs: where the batch did not
+        reach this cell beforehand (a train cell of one's own, sink mode), the loss contract read from the shapes and
+        dtypes the compile recorded (diagnostics.calls.read_after_compile); raises where it stops."""
+        read_after_compile(self)
 
     def after_compile(self) -> None:
         """After the compile :meth:`before_compile` prepared (``cells.compile_hook``), whether it succeeded or not."""

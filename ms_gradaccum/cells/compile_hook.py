@@ -85,7 +85,9 @@ def around_compile(root: nn.Cell, args: tuple):
     finally:
         for owner in held:
             owner.after_compile()
-    for owner in held:   # compiled: no longer waiting (a failed compile leaves them waiting for the next)
+    for owner in held:   # compiled, before its graph runs: what the batch could not be read for beforehand
+        owner.compiled()
+    for owner in held:   # compiled: no longer waiting (a failed compile, or a stop, leaves them waiting for the next)
         _WAITING.discard(owner)
     _release_if_none_waits()
 

@@ -50,6 +50,7 @@ class CompileRecord:
     def __init__(self):
         self.loss_shape = None
         self.layout = None   # (input shapes, input names, layout)
+        self.signature = None   # per input: (shape, dtype) of a Tensor, else the value (None, a Python number)
 
 
 @primexpr
@@ -62,6 +63,14 @@ def record_loss_shape(record: CompileRecord, shape: tuple) -> bool:
 def recorded_loss_shape(record: CompileRecord, after: tuple) -> tuple:
     """The recorded shape; `after` (the shape of a loop output) orders this after the loop body's compile."""
     return record.loss_shape
+
+
+@primexpr
+def record_signature(record: CompileRecord, signature: tuple) -> bool:
+    """Keeps the inputs' shapes and dtypes on `record` (the loss contract reads the graph after a compile the batch did
+    not reach beforehand: diagnostics.calls.read_after_compile)."""
+    record.signature = tuple(signature)
+    return True
 
 
 @primexpr
@@ -235,6 +244,10 @@ class MicroBatchGradients(PrecisionNeutral):
         """``(split, shared, constants, layout)`` of the network's inputs, for :meth:`construct`: Tensors are split
         along axis 0 unless declared in ``shared_inputs`` or 0-d; None and Python numbers are passed as they are."""
         shapes = input_shapes(inputs)
+        signature = ()
+        for x in inputs:
+            signature += ((x.shape, x.dtype),) if isinstance(x, Tensor) else (x,)
+        record_signature(self.scaled_loss.record, signature)
         layout = record_layout(self.scaled_loss.record, shapes, self.input_names,
                                plan_inputs(self.owner_name, shapes, self.shared_inputs, self.input_names,
                                            self.micro_size))

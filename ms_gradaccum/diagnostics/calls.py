@@ -4,12 +4,15 @@ The cells call them (``cells.binding``); a steady call runs no package Python.
 
 GRAPH_MODE: the compile hook (``cells.compile_hook``) calls the cell's ``before_compile``, which runs
 :func:`probe_first_call` where the batch reaches the cell being compiled unchanged (the package cell, or
-``nn.TrainOneStepCell``/``nn.TrainOneStepWithLossScaleCell`` around it); where it cannot be reached (a train cell of
-one's own, a ``jit`` function, sink mode) the graph compares values itself on its first run
+the train cells ``Model`` builds around it, ``AutoParallel``); where it reaches the cell only inside the graph (a train
+cell of one's own, sink mode), :func:`read_after_compile` reads the graph after the compile, before it runs; in a
+``jit`` function, and where that reading is undecided, the graph compares values itself on its first run
 (``contract.ContractCheck.construct``). PyNative mode: the cells' own ``__call__`` runs the probe on the first call,
 and again when the inputs' layout changes.
 """
-from mindspore import nn
+import numpy as np
+from mindspore import nn, Tensor
+from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import in_function_gradient
 from ms_gradaccum._mindspore.surroundings import PASS_THROUGH, child
@@ -31,6 +34,27 @@ def probe_first_call(owner: nn.Cell, inputs: tuple) -> None:
     kind = child(owner, "contract").first_call(engine, inputs, refusable=not in_function_gradient(owner))
     if kind is not None:
         owner.use_kind(kind)
+
+
+def read_after_compile(owner: nn.Cell) -> None:
+    """After a compile holding `owner` that its batch did not reach beforehand (a train cell of one's own, sink mode),
+    before the graph runs: the loss contract read from the loss network's graph for the inputs' shapes and dtypes that
+    compile recorded (``core.engine.record_signature``; zeros stand for the values, which the reading never looks at).
+    A stop, or a kind other than the one the graph was compiled for, raises: the graph does not run, and every call
+    stops the same until the loss or the cell's arguments change. Undecided: the graph compares values on its first
+    run (``contract.ContractCheck.construct``)."""
+    contract, engine = child(owner, "contract"), child(owner, "engine")
+    signature = engine.scaled_loss.record.signature if engine is not None else None
+    if contract is None or signature is None or not contract.in_graph:
+        return
+    inputs = tuple(Tensor(np.zeros(x[0], mstype.dtype_to_nptype(x[1])), x[1]) if _is_tensor_signature(x) else x
+                   for x in signature)
+    contract.read_compiled(engine, inputs)
+
+
+def _is_tensor_signature(item) -> bool:
+    return (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], tuple)
+            and isinstance(item[1], mstype.Type))
 
 
 def compile_error_context(owner: nn.Cell, error: Exception, root: nn.Cell, args: tuple):

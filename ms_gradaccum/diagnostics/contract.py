@@ -12,8 +12,10 @@ next together, as the kind combines them, to a relative tolerance.
 
 Under semi-auto/auto parallel the loss network is read (and, where undecided, run) stand-alone, and a kind MindSpore's
 parallel pass cannot train (it weighs each micro-batch's loss ``1/micro_size``: a row mean only) stops before the
-compile. Where the batch cannot be reached from Python (a train cell of one's own, a ``jit`` function, sink mode), the
-graph compares the first two micro-batches' values on its first run instead (:meth:`ContractCheck.construct`).
+compile. Where the batch reaches the cell only inside the graph (a train cell of one's own, sink mode), the graph is
+read after the compile, before it runs (:meth:`ContractCheck.read_compiled`); where that leaves the contract undecided,
+and in a ``jit`` function, the graph compares the first two micro-batches' values on its first run
+(:meth:`ContractCheck.construct`).
 """
 import dataclasses
 from typing import Optional
@@ -32,7 +34,8 @@ from ms_gradaccum.core.microbatch import SPLIT, assemble, micro_batch_rows
 from ms_gradaccum.core.validation import batch_norm_cells, computes_in_float16, readable
 from ms_gradaccum.diagnostics import graph_contract
 from ms_gradaccum.diagnostics.eager import BatchRows, own_gradients_off, run_eagerly, runs_on, training_off
-from ms_gradaccum.diagnostics.graph_messages import (LossContractError, beyond_parallel_pass, decided, routes,
+from ms_gradaccum.diagnostics.graph_messages import (LossContractError, beyond_parallel_pass, decided, declare_kind,
+                                                      routes,
                                                       taken_as)
 
 # Relative tolerance of the value comparisons: float32 reductions in another order; float16 networks round far more.
@@ -194,6 +197,22 @@ class ContractCheck(PrecisionNeutral):
             return None
         self.probed, self.layout, self.findings = True, layout, findings
         return findings.kind if findings.kind != self.kind else None
+
+    def read_compiled(self, engine: nn.Cell, inputs: tuple) -> None:
+        """After a compile the batch did not reach beforehand, before its graph runs (diagnostics.calls): the graph
+        read on `inputs` (of the batch's shapes and dtypes; their values are not read). Raises
+        :class:`LossContractError` where it stops, or where it shows a kind other than the one the graph was compiled
+        for (the route to declare it); undecided, the compiled graph compares values on its first run."""
+        layout = tuple((x.dtype, x.ndim) if isinstance(x, Tensor) else type(x) for x in inputs)
+        with stand_alone():
+            findings = self.read_graph(engine, inputs)
+        if findings is None:
+            return
+        if parallel_pass_in_force() and not findings.kind.in_parallel_pass:
+            raise LossContractError(beyond_parallel_pass(self, findings.kind))
+        if findings.kind != self.kind:
+            raise LossContractError(declare_kind(self, findings.kind))
+        self.probed, self.layout, self.findings = True, layout, findings
 
     def reachable(self, inputs: tuple) -> bool:
         """Whether the contract can be read on `inputs`: Tensors with data and static shapes (in any parallel mode:
