@@ -344,7 +344,8 @@ def test_mindcv_sample_resnet18_with_frozen_batch_norm_trains_windows_as_one_bat
         done = subprocess.run([sys.executable, os.path.join(REPO, "sample_code", "mindcv_vit", "train.py"),
                                "--model", "resnet18", "--batch-norm", choice, "--gradient-accumulation-steps",
                                str(steps), "--batch-size", str(batch), "--epochs", "1", "--train-rows", "32",
-                               "--warmup-epochs", "0", "--lr", "0.05",   # the one step moves the weights
+                               "--val-rows", "64", "--warmup-epochs", "0",
+                               "--lr", "0.05",   # the one step moves the weights
                                "--ckpt-save-dir", str(tmp_path / name)], env=repo_env(GLOG_v="3"),
                               capture_output=True, text=True, timeout=600, check=False)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -49,12 +49,16 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=0.005)
     parser.add_argument("--warmup-epochs", type=int, default=1)
     parser.add_argument("--train-rows", type=int, default=320, help="rows of the training split used (of 1,437)")
+    parser.add_argument("--val-rows", type=int, default=None, help="rows of the validation split used (default: all)")
     parser.add_argument("--ema", action="store_true", help="mindcv's EMA (validated with it when mindcv can)")
     parser.add_argument("--ckpt-save-dir", default=os.path.join("output", "mindcv_vit"))
     parser.add_argument("--model", choices=("vit", "resnet18"), default="vit")
     parser.add_argument("--batch-norm", choices=("per_step", "frozen", "micro"), default=None,
                         help="what the ResNet's BatchNorm layers do under accumulation (create_trainer's batch_norm)")
     args = parser.parse_args(argv)
+    for name in ("train_rows", "val_rows"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, but got {getattr(args, name)}")
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)
 
@@ -62,7 +66,8 @@ def main(argv=None) -> int:
     loader_train = ds.NumpySlicesDataset({"image": x[:args.train_rows], "label": y[:args.train_rows]},
                                          shuffle=False).batch(args.batch_size, drop_remainder=False)
     vx, vy = digits("val")
-    loader_eval = ds.NumpySlicesDataset({"image": vx, "label": vy}, shuffle=False).batch(64)
+    loader_eval = ds.NumpySlicesDataset({"image": vx[:args.val_rows], "label": vy[:args.val_rows]},
+                                        shuffle=False).batch(64)
     num_batches = loader_train.get_dataset_size()
 
     if args.model == "vit":
