@@ -415,3 +415,38 @@ def test_parallel_modes_semi_auto_loss_contract_read_from_the_graph_before_the_c
             assert re.search(expected, message), message
         assert ms.get_auto_parallel_context("parallel_mode") == mode   # the reading put the mode back
         assert all(np.array_equal(param.asnumpy(), value) for param, value in zip(net.get_parameters(), before))
+
+
+class _ClassScaled(nn.Cell):
+    """Logits scaled by one weight per class, 16 classes: with a batch of 16 the weights' axis 0 equals the batch size,
+    so they are split like a batched input unless declared shared (and the split rows fail to broadcast)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Dense(16, 16)
+        self.ce = ce()
+
+    def construct(self, x, class_weights, y):
+        return self.ce(self.net(x) * class_weights, y)
+
+
+def test_parallel_modes_semi_auto_network_error_on_split_rows_gets_the_shared_inputs_advice():
+    # The loss network's error on micro-batch rows is examined stand-alone under semi-auto parallel too, and the
+    # advice is what holds there: the input that, given whole, runs is named, but shared_inputs (which the parallel
+    # pass cannot take) is not offered. Control: stand-alone, the same error offers shared_inputs=(1,).
+    rng = np.random.default_rng(0)
+    inputs = (Tensor(rng.standard_normal((16, 16)).astype(np.float32)),
+              Tensor(np.linspace(0.5, 1.5, 16).astype(np.float32)), Tensor(rng.integers(0, 16, 16).astype(np.int32)))
+    named = r"input 1 \('class_weights'\) makes the loss combine"
+    for mode in (ms.ParallelMode.SEMI_AUTO_PARALLEL, ms.ParallelMode.STAND_ALONE):
+        ms.set_auto_parallel_context(parallel_mode=mode)
+        cell = GradAccumulationCell(_ClassScaled(), K)
+        model = ms.Model(cell, optimizer=nn.SGD(cell.trainable_params(), 0.1))
+        with pytest.raises(ValueError) as raised:
+            model._train_network.compile(*inputs)  # pylint: disable=protected-access
+        message = str(raised.value).split("C++ Call Stack")[0]
+        assert re.search(named, message), message
+        offered = "declare it (e.g. shared_inputs=(1,))" in message
+        refused = "no micro-batch can get it whole under semi-auto/auto parallel" in message
+        assert (offered, refused) == ((False, True) if mode != ms.ParallelMode.STAND_ALONE else (True, False)), message
+        assert ms.get_auto_parallel_context("parallel_mode") == mode

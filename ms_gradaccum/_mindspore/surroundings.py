@@ -117,10 +117,21 @@ def stand_alone():
         yield
         return
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.STAND_ALONE)
+    _PUT_ASIDE.append(mode)
     try:
         yield
     finally:
+        _PUT_ASIDE.pop()
         ms.set_auto_parallel_context(parallel_mode=mode)
+
+
+_PUT_ASIDE = []   # the modes stand_alone() has set aside, innermost last
+
+
+def parallel_pass_outside() -> bool:
+    """Whether MindSpore's semi-auto/auto-parallel pass is in force, or is where a :func:`stand_alone` block now
+    running was entered: what the training will run under (advice given stand-alone must hold there)."""
+    return parallel_pass_in_force() or any(mode in PARALLEL_PASS_MODES for mode in _PUT_ASIDE)
 
 
 def data_parallel_in_force() -> bool:

@@ -27,16 +27,15 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
 from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.randomness import HeldDraws
-from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, stand_alone
+from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, parallel_pass_outside, stand_alone
 from ms_gradaccum.core.base import PrecisionNeutral, Unsaved
-from ms_gradaccum.core.kinds import IGNORE_INDEX, IgnoredLabelMean
+from ms_gradaccum.core.kinds import IgnoredLabelMean
 from ms_gradaccum.core.microbatch import SPLIT, assemble, micro_batch_rows
 from ms_gradaccum.core.validation import batch_norm_cells, computes_in_float16, readable
 from ms_gradaccum.diagnostics import graph_contract
 from ms_gradaccum.diagnostics.eager import BatchRows, own_gradients_off, run_eagerly, runs_on, training_off
 from ms_gradaccum.diagnostics.graph_messages import (LossContractError, beyond_parallel_pass, decided, declare_kind,
-                                                      routes,
-                                                      taken_as)
+                                                      values_message)
 
 # Relative tolerance of the value comparisons: float32 reductions in another order; float16 networks round far more.
 RTOL, RTOL_FLOAT16 = 1e-3, 2e-2
@@ -86,10 +85,6 @@ def _close(measured: float, predicted: float, rtol: float, half: bool = False) -
     size = max(abs(measured), abs(predicted))
     step = 4 * float(np.spacing(np.float16(size))) if half and np.isfinite(size) else 0.0
     return abs(measured - predicted) <= rtol * size + step
-
-
-def _number(value: float) -> str:
-    return f"{value:.4g}"
 
 
 @primexpr
@@ -180,19 +175,20 @@ class ContractCheck(PrecisionNeutral):
         layout = tuple((x.dtype, x.ndim) if isinstance(x, Tensor) else type(x) for x in inputs)
         if self.probed and layout == self.layout:
             return None
-        try:
-            with stand_alone():   # semi-auto/auto parallel: the loss network read and run alone, on this process
+        # Semi-auto/auto parallel: the loss network read and run alone, on this process (its errors too).
+        with stand_alone():
+            try:
                 findings = self.read_graph(engine, inputs)
                 if findings is None:
                     findings = self.probe(engine, inputs)
-            if findings is not None and parallel_pass_in_force() and not findings.kind.in_parallel_pass:
-                raise LossContractError(beyond_parallel_pass(self, findings.kind))
-        except LossContractError as error:
-            error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
-            raise
-        except Exception as error:  # pylint: disable=broad-except
-            self._on_error(error, engine, inputs)
-            return None
+            except LossContractError as error:
+                error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
+                raise
+            except Exception as error:  # pylint: disable=broad-except
+                self._on_error(error, engine, inputs)
+                return None
+        if findings is not None and parallel_pass_in_force() and not findings.kind.in_parallel_pass:
+            raise LossContractError(beyond_parallel_pass(self, findings.kind))
         if findings is None:
             return None
         self.probed, self.layout, self.findings = True, layout, findings
@@ -324,40 +320,24 @@ class ContractCheck(PrecisionNeutral):
             rows = sizes[i] + sizes[i + 1]
             measured, predicted, holds = self._combination(kind, own[i:i + 2], both, rows)
             if not holds:
-                raise LossContractError(self._values_message(i, spans[i][0], spans[i + 1][1], measured, predicted,
+                raise LossContractError(values_message(self, i, spans[i][0], spans[i + 1][1], measured, predicted,
                                                              sizes, kind, public))
             gap = abs(measured - predicted) / max(abs(measured), abs(predicted), 1e-30)
             if gap > worst[2]:
                 worst = (measured, predicted, gap)
         return worst[0], worst[1], batch.batch, None
 
-    # --- messages -----------------------------------------------------------------------------------------------------
-
-    def _taken_as(self, kind) -> str:
-        return taken_as(self, kind)
-
-    def _values_message(self, pair: int, start: int, stop: int, measured: float, predicted: float, sizes: list,
-                        kind, public: bool) -> str:
-        token, total = routes(public)
-        name = self.loss_name
-        rows = sizes[pair] + sizes[pair + 1]
-        where = (f"on micro-batches {pair} and {pair + 1} together (rows {start} to {stop - 1}) its loss is "
-                 f"{_number(measured)}, but {_number(predicted)} combined from their own losses as "
-                 f"{self._taken_as(kind)}")
-        ratio = measured / predicted if predicted else None
-        grows = ratio is not None and abs(ratio - rows / max(sizes[pair], sizes[pair + 1])) < 0.05 * ratio
-        if grows:
-            return (f"For '{self.owner_name}', the loss of {name} grows with the rows it is given (a sum, or a mean "
-                    f"times the batch size): pass {total}. Found on the first call: {where}.")
-        return (f"For '{self.owner_name}', the loss of {name} does not combine over micro-batches: if it is "
-                f"normalised by something taken over the batch, {token}; if it is a sum, pass {total}. Found on the "
-                f"first call: {where} (a count of thresholded targets, or labels other than {IGNORE_INDEX} left out, "
-                f"do this).")
+    # --- advice -------------------------------------------------------------------------------------------------------
 
     def shared_input_hint(self, engine: nn.Cell, inputs: tuple) -> str:
         """Where giving one split input whole to every micro-batch makes the loss combine: the advice to declare it
-        (an input shared by the whole batch whose axis 0 only equals the batch size); _failures asks it too. Tried,
-        not guessed: per-row labels of a loss whose normalisation is the problem give no such advice."""
+        (an input shared by the whole batch whose axis 0 only equals the batch size; under semi-auto/auto parallel,
+        which cannot share it, the other routes); diagnostics.failures asks it too. Tried, not guessed: per-row labels
+        of a loss whose normalisation is the problem give no such advice. Run stand-alone, as the probe is."""
+        with stand_alone():
+            return self._shared_input_hint(engine, inputs)
+
+    def _shared_input_hint(self, engine: nn.Cell, inputs: tuple) -> str:
         try:
             batch = BatchRows(engine, inputs)
         except Exception:  # pylint: disable=broad-except
@@ -378,10 +358,15 @@ class ContractCheck(PrecisionNeutral):
             except Exception:  # pylint: disable=broad-except
                 continue
             name = f" ('{engine.input_names[position]}')" if position < len(engine.input_names) else ""
-            return (f" Given whole to every micro-batch, input {position}{name} makes the loss combine: if it is not "
-                    f"one row per sample but shared by the whole batch (class weights, ids or a mask of fixed size) "
-                    f"whose axis 0 only equals the batch size, declare it (e.g. shared_inputs=({position},)): every "
-                    f"micro-batch then gets it whole.")
+            found = (f" Given whole to every micro-batch, input {position}{name} makes the loss combine: if it is "
+                     f"not one row per sample but shared by the whole batch (class weights, ids or a mask of fixed "
+                     f"size) whose axis 0 only equals the batch size, ")
+            if parallel_pass_outside():
+                return found + ("no micro-batch can get it whole under semi-auto/auto parallel, where MindSpore's "
+                                "parallel pass slices every input along axis 0: give it one row per sample, or train "
+                                "data parallel.")
+            return found + (f"declare it (e.g. shared_inputs=({position},)): every micro-batch then gets it "
+                            f"whole.")
         return ""
 
     def _on_error(self, error: Exception, engine: nn.Cell, inputs: tuple) -> None:

@@ -111,3 +111,20 @@ def decided(check, reading: GraphReading, public: bool):
     if isinstance(found, TokenMean) and isinstance(kind, TokenMean):
         return kind
     return found
+
+
+def values_message(check, pair: int, start: int, stop: int, measured: float, predicted: float, sizes: list, kind,
+                   public: bool) -> str:
+    """The stop where the probe's value comparison (undecided by the graph) finds that micro-batches `pair` and
+    ``pair + 1`` together (rows `start` to ``stop - 1``) do not give what their own losses combine to as `kind`."""
+    token, total = routes(public)
+    rows = sizes[pair] + sizes[pair + 1]
+    where = (f"on micro-batches {pair} and {pair + 1} together (rows {start} to {stop - 1}) its loss is "
+             f"{measured:.4g}, but {predicted:.4g} combined from their own losses as {taken_as(check, kind)}")
+    ratio = measured / predicted if predicted else None
+    if ratio is not None and abs(ratio - rows / max(sizes[pair], sizes[pair + 1])) < 0.05 * ratio:
+        return (f"For '{check.owner_name}', the loss of {check.loss_name} grows with the rows it is given (a sum, or a "
+                f"mean times the batch size): pass {total}. Found on the first call: {where}.")
+    return (f"For '{check.owner_name}', the loss of {check.loss_name} does not combine over micro-batches: if it is "
+            f"normalised by something taken over the batch, {token}; if it is a sum, pass {total}. Found on the first "
+            f"call: {where} (a count of thresholded targets, or labels left out, do this).")
