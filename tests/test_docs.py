@@ -149,3 +149,40 @@ def test_docs_audit_names_only_tests_that_exist():
         if function not in defined[module]:
             missing.append(f"{module}::{function}")
     assert not missing, f"docs/audit.md names tests that do not exist: {missing}"
+
+
+def _listed_primitives(text: str) -> dict:
+    """The primitives docs/primitives.md lists, by section (its backticked names after each ``## `` heading, with the
+    count the heading gives)."""
+    sections = {}
+    for block in text.split("\n## ")[1:]:
+        heading, _, body = block.partition("\n")
+        count = int(re.search(r"\((\d+)\)$", heading).group(1))
+        listed = re.findall(r"`(\w+)`", body.split("\n\n", 2)[-1])
+        sections[heading] = (count, [name for name in listed if name not in ("MakeTuple", "TupleGetItem")])
+    return sections
+
+
+def _primitives_differ(sections: dict, table) -> list:
+    """What differs between the listed sections and the table's primitives (empty: none)."""
+    problems = [f"'{heading}' says {count} but lists {len(names)}" for heading, (count, names) in sections.items()
+                if count != len(names)]
+    listed = [name for _, names in sections.values() for name in names]
+    problems += [f"listed twice: {name}" for name in sorted({n for n in listed if listed.count(n) > 1})]
+    problems += [f"in the table, not listed: {name}" for name in sorted(set(table) - set(listed))]
+    problems += [f"listed, not in the table: {name}" for name in sorted(set(listed) - set(table))]
+    return problems
+
+
+def test_docs_primitives_list_is_the_table():
+    from ms_gradaccum.diagnostics.batch_table import RULES   # pylint: disable=import-outside-toplevel
+    text = open(os.path.join(REPO, "docs", "primitives.md"), encoding="utf-8").read()
+    sections = _listed_primitives(text)
+    assert _primitives_differ(sections, RULES) == []
+    assert f"{len(RULES)} primitives" in text
+    # Negative controls: a primitive dropped from the list, and one the table lacks, are both found.
+    first = next(iter(sections))
+    count, names = sections[first]
+    assert _primitives_differ(dict(sections, **{first: (count - 1, names[1:])}), RULES) == \
+        [f"in the table, not listed: {names[0]}"]
+    assert _primitives_differ(sections, {**RULES, "Planted": None}) == ["in the table, not listed: Planted"]
