@@ -596,22 +596,24 @@ def test_contract_masked_mean_is_counted_through_its_mask_even_when_it_is_all_on
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wrap", WRAPS)
-def test_contract_masked_mean_with_an_empty_micro_batch_stops_naming_it(wrap):
-    # No valid row in micro-batch 1 of the first step: its mean is 0/0, the full batch's is finite. Counted through
-    # its mask (the check on) or not, the engine's own check stops the step before any update, naming the
-    # micro-batch, its rows and the route. Control: the full batch trains to a finite loss; declared
-    # (loss_sum, count), the empty micro-batch trains exactly.
+def test_contract_masked_mean_with_an_empty_micro_batch_trains_exactly_or_stops_naming_it(wrap):
+    # No valid row in micro-batch 1 of the first step: its mean is 0/0, the full batch's is finite. Read from the
+    # graph, the mean over the mask's sum is counted per micro-batch and the empty one adds nothing: exact, as the
+    # full batch. Declared a row mean (the check off), the engine's own check stops the step before any update,
+    # naming the micro-batch, its rows and the route; declared (loss_sum, count), it trains exactly too.
     batches = _masked_batches(2, ragged_from=5, empty=True)
-    net = make_mlp()
-    before = params_of(net)
-    for check_loss in (True, False):
-        step = wrap(check_loss=check_loss)(MaskedMean(net), make_optimizer("momentum", net.trainable_params()))
-        with pytest.raises(ValueError, match=r"micro-batch 1 \(rows 8 to 15 of the batch of 32, micro_size=4\) "
-                                             r"returned a non-finite loss or count .* per_token_loss=True"):
-            step(*(Tensor(a) for a in batches[0]))
-    assert all(np.array_equal(value, before[name]) for name, value in params_of(net).items()), "the weights moved"
     expected, losses, initial = _train(MaskedMean, nn.TrainOneStepCell, batches)
     assert np.isfinite(losses).all()
+    assert_params_moved(expected, initial)
+    actual, _, _ = _train(MaskedMean, wrap(), batches)
+    assert_params_close(actual, expected, rtol=1e-5, atol=1e-6)
+    net = make_mlp()
+    before = params_of(net)
+    step = wrap(check_loss=False)(MaskedMean(net), make_optimizer("momentum", net.trainable_params()))
+    with pytest.raises(ValueError, match=r"micro-batch 1 \(rows 8 to 15 of the batch of 32, micro_size=4\) "
+                                         r"returned a non-finite loss or count .* per_token_loss=True"):
+        step(*(Tensor(a) for a in batches[0]))
+    assert all(np.array_equal(value, before[name]) for name, value in params_of(net).items()), "the weights moved"
 
     class MaskedParts(MaskedMean):
         def construct(self, x, y, mask):

@@ -89,8 +89,9 @@ class TwoHeads(TokenLM):
         return self.main_loss(self.out(hidden), labels) + 0.4 * self.aux_loss(self.aux(hidden), labels)
 
 
-def token_batches(steps, ignore=-100, irregular_from=2, seed=0, first_rows_ignored=False):
-    """``(ids, labels)`` batches: no ignored label before step `irregular_from`, about 40% ignored after."""
+def token_batches(steps, ignore=-100, irregular_from=2, seed=0, first_rows_ignored=False, empty_micro_batch=False):
+    """``(ids, labels)`` batches: no ignored label before step `irregular_from`, about 40% ignored after (and with
+    `empty_micro_batch`, every label of micro-batch 1 from then on)."""
     rng = np.random.RandomState(seed)
     out = []
     for step in range(steps):
@@ -102,6 +103,8 @@ def token_batches(steps, ignore=-100, irregular_from=2, seed=0, first_rows_ignor
             ids[rng.rand(B, T) < 0.3] = 0
             labels[::4, 0] = 1   # every micro-batch keeps a label
             ids[::4, 0] = 1
+            if empty_micro_batch:
+                labels[B // K:2 * B // K] = ignore
         if first_rows_ignored and step == 0:
             labels[:2] = ignore   # the rows the eager probe read on step 1
             labels[4:6] = ignore
@@ -172,6 +175,23 @@ def test_graph_contract_ignore_values_other_than_minus_100(ignore, nll):
     cell = assert_exact_with_control(lambda: IgnoredMean(ignore=vocab_ignore, nll=nll),
                                      token_batches(4, ignore=vocab_ignore))
     assert cell.kind == IgnoredLabelMean(1, vocab_ignore), cell.kind
+
+
+@pytest.mark.parametrize("make, ignore", [(IgnoredMean, -100), (ShiftedMaskMean, -1)],
+                         ids=["ignored_label_mean", "shifted_labels_ge_0"])
+def test_graph_contract_micro_batch_without_a_valid_label_adds_nothing(make, ignore):
+    # From step 3 micro-batch 1 holds no valid label: its mean is 0/0 where the full batch's is finite. The kind read
+    # from the graph counts it 0 and leaves its loss and gradients out, as the full batch leaves its rows out.
+    # Control: declared a row mean (the check off), the same data stops on that micro-batch's NaN.
+    batches = token_batches(4, ignore=ignore, empty_micro_batch=True)
+    initial, expected, _ = run(make, batches, 0)
+    _, actual, cell = run(make, batches, K)
+    assert cell.kind.skips_empty, cell.kind
+    assert_params_moved(expected, initial)
+    assert off(actual, expected, initial) < 1e-4, off(actual, expected, initial)
+    with pytest.raises(ValueError, match=r"micro-batch 1 \(rows 4 to 7 of the batch of 16, micro_size=4\) returned a "
+                                         r"non-finite loss"):
+        run(make, batches, K, check_loss=False)
 
 
 def test_graph_contract_rows_the_probe_read_all_ignored_on_step_1():

@@ -84,6 +84,8 @@ _add_cast_into = ops.MultitypeFuncGraph("_add_cast_into")
 _zero = ops.MultitypeFuncGraph("_zero")
 _divide = ops.MultitypeFuncGraph("_divide")
 _cast_like = ops.MultitypeFuncGraph("_cast_like")
+_kept = ops.MultitypeFuncGraph("_kept")
+_MASKED_FILL = ops.MaskedFill()
 
 
 @_add_into.register("Tensor", "Tensor")
@@ -131,6 +133,17 @@ def add_gradients(buffers, grads, after, cast: bool):
     if cast:
         return ops.depend(after, _HYPER_MAP(_add_cast_into, buffers, grads))
     return ops.depend(after, _HYPER_MAP(_add_into, buffers, grads))
+
+
+@_kept.register("Tensor", "Tensor")
+def _kept_gradient(dropped, grad):
+    return _MASKED_FILL(grad, dropped, _CAST(0.0, grad.dtype))
+
+
+def kept_gradients(grads, keep):
+    """`grads` where `keep` (a bool scalar Tensor), else zeros: a micro-batch that adds nothing (its count is 0, its
+    loss 0/0) leaves its NaN gradients out. Not a product: NaN times 0 is NaN."""
+    return _HYPER_MAP(ops.partial(_kept, ops.logical_not(keep)), grads)
 
 
 def multiply_in_place(buffer, numerator, denominator):

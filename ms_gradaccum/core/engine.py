@@ -19,7 +19,7 @@ from mindspore.common import dtype as mstype
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE
 from ms_gradaccum.core.base import PrecisionNeutral
-from ms_gradaccum.core.buffers import add_gradients, dtypes_match, zero_buffers
+from ms_gradaccum.core.buffers import add_gradients, dtypes_match, kept_gradients, zero_buffers
 from ms_gradaccum.core.kinds import LossSpec
 from ms_gradaccum.core.microbatch import (assemble, check_loss_dtype, check_loss_output, input_shapes, input_names,
                                           micro_batch, partition, plan_inputs, split_batch)
@@ -214,6 +214,7 @@ class MicroBatchGradients(PrecisionNeutral):
         self.input_names = input_names(network)
         self.checks_counts = spec.kind.checks_counts
         self.counts_in_network = spec.kind.counts_in_network
+        self.skips_empty = spec.kind.skips_empty
         self.counted_cells = ", ".join(getattr(spec.kind, "cells", ()))
         self.kind_setting = spec.kind.setting   # names the kind in the count's messages
         self.overwrite = overwrite
@@ -231,6 +232,7 @@ class MicroBatchGradients(PrecisionNeutral):
         scaled = self.scaled_loss
         scaled.kind = kind
         self.kind_setting = kind.setting
+        self.skips_empty = kind.skips_empty
         if scaled.counts_in_network and not kind.counts_in_network:
             scaled.uncount()
             self.counts_in_network, self.counted_cells = False, ""
@@ -306,6 +308,11 @@ class MicroBatchGradients(PrecisionNeutral):
             if self.combines_statistics:
                 before = self.statistics.before()   # read in program order: the values before this micro-batch
             out, grads = self._value_and_grads(micro, scale, rows, count_unit)
+            if self.skips_empty:
+                # A micro-batch whose count is 0 adds nothing (its loss and gradients are 0/0): core.kinds.
+                keep = out[2] > 0
+                grads = kept_gradients(grads, keep)
+                out = (out[0], ops.select(keep, out[1], ops.zeros_like(out[1]))) + out[2:]
             if self.combines_statistics:
                 # Read from the moving statistics the micro-batch moved, then put back (core.batch_norm).
                 moved = self.statistics.after(before, rows, out[1], out[0].shape)

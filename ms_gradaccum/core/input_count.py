@@ -45,6 +45,7 @@ class InputCountMean(LossKind):
         min_count (float): The floor the network puts on the count (``max(count, 1)``). Default: ``0.0``.
     """
     sums_across_ranks = True   # the whole batch's count, all devices': as one process on the global batch
+    skips_empty = True   # a micro-batch whose count is 0: 0/0 in the network, nothing in the full batch
     setting = "(a mean over a count read from the loss network's graph)"
 
     def __init__(self, position: int, steps: tuple, min_count: float = 0.0):

@@ -1,6 +1,7 @@
 """Loss kinds: what one micro-batch's loss adds to its batch or window, and how the sums become the loss and the mean
 gradient. A kind is one object (as optax's microbatching ``Accumulator``); no other module branches on its type, only
-on what it declares (``returns_count``, ``checks_counts``, ``counts_in_network``, ``in_parallel_pass``).
+on what it declares (``returns_count``, ``checks_counts``, ``counts_in_network``, ``in_parallel_pass``,
+``skips_empty``).
 
 Per micro-batch (in the graph, and eagerly for the first call's probe) :meth:`LossKind.tally` returns ``(weight, value,
 count)``: the backward pass runs on ``loss * scale * weight``, so the buffers hold ``scale * sum(weight * gradient)``;
@@ -39,6 +40,8 @@ class LossKind:
         counts_in_network (bool): The count is what the network's recognised loss cells counted during its forward
             pass (core.tokens), not an output.
         min_count (float): The floor of the total count a batch or window divides by.
+        skips_empty (bool): A micro-batch whose count is 0 adds nothing: its loss and gradients (0/0 where the
+            network divides by that count) are left out of the sums, as the full batch leaves its rows out.
         description (str): What the cell was told the loss is, for messages.
         setting (str): The argument that selects it, for messages.
     """
@@ -47,6 +50,7 @@ class LossKind:
     in_parallel_pass = False
     checks_counts = False
     counts_in_network = False
+    skips_empty = False
     min_count = 0.0
     description = "a loss of its own kind"
     setting = "kind=..."
@@ -161,6 +165,7 @@ class IgnoredLabelMean(LossKind):
         ignore_index (int): The label left out. Default: ``-100``.
     """
     sums_across_ranks = True   # the whole batch's count, all devices': as one process on the global batch
+    skips_empty = True   # a micro-batch without a valid label: 0/0 in the network, nothing in the full batch
     setting = "(a mean over valid labels, found by the first call's probe)"
 
     def __init__(self, position: int, ignore_index: int = IGNORE_INDEX):
