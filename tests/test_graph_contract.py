@@ -153,6 +153,7 @@ def test_graph_contract_integer_input_network_with_dropout_counts_its_ignored_la
     assert cell.kind == IgnoredLabelMean(1)
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("make, kind", [
     (lambda: IgnoredMean(head_last=True), IgnoredLabelMean(1)),
     (ShiftedMaskMean, InputCountMean),
@@ -166,6 +167,7 @@ def test_graph_contract_counts_what_the_loss_divides_by_whatever_the_network_hol
     assert cell.kind == kind if isinstance(kind, IgnoredLabelMean) else isinstance(cell.kind, kind), cell.kind
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("ignore, nll", [(-1, False), (0, True), (1, False), (255, True)],
                          ids=["-1-cross_entropy", "0-nll_loss", "1-cross_entropy", "255-nll_loss"])
 def test_graph_contract_ignore_values_other_than_minus_100(ignore, nll):
@@ -177,6 +179,7 @@ def test_graph_contract_ignore_values_other_than_minus_100(ignore, nll):
     assert cell.kind == IgnoredLabelMean(1, vocab_ignore), cell.kind
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("make, ignore", [(IgnoredMean, -100), (ShiftedMaskMean, -1)],
                          ids=["ignored_label_mean", "shifted_labels_ge_0"])
 def test_graph_contract_micro_batch_without_a_valid_label_adds_nothing(make, ignore):
@@ -254,6 +257,7 @@ def float_batches(steps, seed=0, binary=False):
     return out
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("make, binary", [(NoisySum, False), (VAE, True)], ids=["sum_with_noise", "vae"])
 def test_graph_contract_sums_in_networks_that_draw_train_as_sums(make, binary):
     # The value comparison ran only where nothing is random: these trained with 1/micro_size of the gradient.
@@ -339,6 +343,7 @@ class ValueBranch(Embedder):
         return per_row.mean()
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("make, says", [
     (ValueBranch, "a branch on a value taken over the rows"),
     (InfoNCE, "a matrix product between rows"),
