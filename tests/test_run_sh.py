@@ -392,13 +392,16 @@ def test_run_sh_killed_job_resumes_and_ends_as_the_uninterrupted_run(tmp_path):
                           log.read_text(errors="replace"))
         assert found, log.read_text(errors="replace")[-2000:]
         steps[rank] = int(found.group(1))
+        # Bit for bit when the job runs alone; beside a loaded suite the resumed run's final loss was once 1e-6 off
+        # (1.955755 against 1.955756, the last printed digit: MindSpore's CPU kernels under contention), so the
+        # comparisons allow float32's last bits (1e-6 on weights of order 0.1-1), not a resume's mistake.
         assert abs(np.subtract(_final_line(log), _final_line(tmp_path / "whole" / "1" / f"rank.{rank}" / "stdout"))
-                   ).max() <= 1e-6
+                   ).max() <= 5e-6
         final, reference = (ms.load_checkpoint(str(folder / "checkpoints" / f"rank_{rank}" / "train-4_23.ckpt"))
                             for folder in (log_dir, tmp_path / "whole"))
         assert sorted(final) == sorted(reference)
         worst = max(float(np.abs(final[name].asnumpy() - reference[name].asnumpy()).max()) for name in reference)
-        assert worst <= 0.0, f"rank {rank}: the resumed run's final weights differ from the whole run's by {worst:g}"
+        assert worst <= 1e-6, f"rank {rank}: the resumed run's final weights differ from the whole run's by {worst:g}"
     assert steps[0] == steps[1] and 23 < steps[0] < 92, steps   # one checkpoint for both ranks, in the killed epoch
     print(f"killed rank 1 at epoch 2 step 5 or later; run.sh ended {ended_after:.1f}s after the kill; resumed from "
           f"global step {steps[0]} of 92")
@@ -672,7 +675,8 @@ def test_run_sh_resume_is_exact_or_refused(tmp_path):
     assert "[rank 0] --resume: no checkpoint that every rank completed in" in whole.stdout, whole.stdout
     # What does not change the arithmetic resumes: a second epoch, with two micro-batches a step instead of one, ends as
     # the uninterrupted 2-epoch run (control: the refused runs above; and the 1-epoch weights differ from the 2-epoch
-    # ones). A resume with the same settings is bit for bit: the killed-job test resumes mid-epoch and compares exactly.
+    # ones). A resume with the same settings is bit for bit run alone: the killed-job test resumes mid-epoch (to
+    # float32's last bits).
     resumed = _run(tmp_path, "job", "2", "--epochs", "2", *base, "--micro-size", "2", "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "[rank 0] resumed from " in resumed.stdout and "global step 3 (epoch 1, step 3 of 3)" in resumed.stdout
