@@ -87,6 +87,11 @@ def _close(measured: float, predicted: float, rtol: float, half: bool = False) -
     return abs(measured - predicted) <= rtol * size + step
 
 
+def _layout(inputs: tuple) -> tuple:
+    """What the contract's reading holds for (PyNative reads it again when it changes): each input's dtype and rank."""
+    return tuple((x.dtype, x.ndim) if isinstance(x, Tensor) else type(x) for x in inputs)
+
+
 @primexpr
 def pair_rows(batch: int, micro_size: int) -> int:
     """The rows of the first two micro-batches (0 when a batch holds fewer than two)."""
@@ -172,7 +177,7 @@ class ContractCheck(PrecisionNeutral):
         into an input)."""
         if not self.enabled or self.failed:
             return None
-        layout = tuple((x.dtype, x.ndim) if isinstance(x, Tensor) else type(x) for x in inputs)
+        layout = _layout(inputs)
         if self.probed and layout == self.layout:
             return None
         # Semi-auto/auto parallel: the loss network read and run alone, on this process (its errors too).
@@ -199,7 +204,7 @@ class ContractCheck(PrecisionNeutral):
         read on `inputs` (of the batch's shapes and dtypes; their values are not read). Raises
         :class:`LossContractError` where it stops, or where it shows a kind other than the one the graph was compiled
         for (the route to declare it); undecided, the compiled graph compares values on its first run."""
-        layout = tuple((x.dtype, x.ndim) if isinstance(x, Tensor) else type(x) for x in inputs)
+        layout = _layout(inputs)
         with stand_alone():
             findings = self.read_graph(engine, inputs)
         if findings is None:
