@@ -10,7 +10,7 @@ import mindspore as ms
 from mindspore import ops
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum.core.kinds import LossKind
+from ms_gradaccum.core.kinds import LossKind, TokenMean
 
 # How each step reads: for messages.
 _TESTS = {"eq": "==", "ne": "!=", "gt": ">", "ge": ">=", "lt": "<", "le": "<="}
@@ -53,6 +53,9 @@ class InputCountMean(LossKind):
         self.steps = tuple(steps)
         self.min_count = float(min_count)
         self.description = f"a mean over {describe(self.steps)} of input {self.position}"
+
+    def declaration(self) -> str:
+        return TokenMean().declaration()   # no public constructor: the count returned by the network instead
 
     def count(self, inputs):
         """The count of a micro-batch's `inputs`, replayed from the steps (float32)."""

@@ -55,6 +55,11 @@ class LossKind:
     description = "a loss of its own kind"
     setting = "kind=..."
 
+    def declaration(self) -> str:
+        """What declares it to a package cell, for the stop where the graph shows it only after compiling for another
+        kind (a train cell of one's own, sink mode)."""
+        return f"pass kind={self!r}"
+
     def tally(self, loss, count, rows, count_unit, inputs):
         """``(weight, value, count)`` of one micro-batch of `rows` rows (an int) whose network returned the float32
         scalars `loss` and `count`; `count_unit` is the rows of the largest micro-batch (a float32 scalar), the unit in
@@ -99,6 +104,9 @@ class RowMean(LossKind):
     description = "a mean over the rows it is given (the default)"
     setting = "reduction='mean'"
 
+    def declaration(self) -> str:
+        return "leave per_token_loss, reduction and kind unset"
+
     def tally(self, loss, count, rows, count_unit, inputs):
         weight = rows / count_unit
         return weight, loss * weight, weight
@@ -110,6 +118,9 @@ class RowSum(LossKind):
     taken per count unit, and the result multiplied by the rows (``count * count_unit``)."""
     description = "a sum over the rows (reduction='sum')"
     setting = "reduction='sum'"
+
+    def declaration(self) -> str:
+        return "pass reduction='sum'"
 
     def tally(self, loss, count, rows, count_unit, inputs):
         per_unit = 1.0 / count_unit
@@ -128,6 +139,10 @@ class TokenMean(LossKind):
     checks_counts = True
     description = "(loss_sum, count) with per_token_loss=True"
     setting = "per_token_loss=True"
+
+    def declaration(self) -> str:
+        return ("return (loss_sum, count) from the network and pass per_token_loss=True (min_count=1.0 for a "
+                "max(count, 1) floor)")
 
     def __init__(self, min_count: float = 0.0, times_rows: bool = False):
         self.min_count = float(min_count)
@@ -172,6 +187,9 @@ class IgnoredLabelMean(LossKind):
         self.position = int(position)
         self.ignore_index = int(ignore_index)
         self.description = f"a mean over the labels of input {self.position} that are not {self.ignore_index}"
+
+    def declaration(self) -> str:
+        return f"pass kind=ms_gradaccum.IgnoredLabelMean({self.position}, ignore_index={self.ignore_index})"
 
     def tally(self, loss, count, rows, count_unit, inputs):
         valid = ops.cast(inputs[self.position] != self.ignore_index, mstype.float32).sum()

@@ -20,26 +20,19 @@ and in a ``jit`` function, the graph compares the first two micro-batches' value
 import dataclasses
 from typing import Optional
 
-import numpy as np
 from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ms_gradaccum._mindspore.graph import compile_time, eager_mode, primexpr
+from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.patches import with_context
-from ms_gradaccum._mindspore.randomness import HeldDraws
-from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, parallel_pass_outside, stand_alone
+from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, stand_alone
 from ms_gradaccum.core.base import PrecisionNeutral, Unsaved
 from ms_gradaccum.core.kinds import IgnoredLabelMean
-from ms_gradaccum.core.microbatch import SPLIT, assemble, micro_batch_rows
-from ms_gradaccum.core.validation import batch_norm_cells, computes_in_float16, readable
-from ms_gradaccum.diagnostics import graph_contract
-from ms_gradaccum.diagnostics.eager import BatchRows, own_gradients_off, run_eagerly, runs_on, training_off
-from ms_gradaccum.diagnostics.graph_messages import (LossContractError, beyond_parallel_pass, decided, declare_kind,
-                                                      values_message)
-
-# Relative tolerance of the value comparisons: float32 reductions in another order; float16 networks round far more.
-RTOL, RTOL_FLOAT16 = 1e-3, 2e-2
-ONE = Tensor(1.0, mstype.float32)   # the passes' scale and count unit (the unit cancels in every comparison)
+from ms_gradaccum.core.microbatch import assemble, micro_batch_rows
+from ms_gradaccum.core.validation import computes_in_float16, readable
+from ms_gradaccum.diagnostics import graph_contract, values
+from ms_gradaccum.diagnostics.eager import BatchRows, runs_on
+from ms_gradaccum.diagnostics.graph_messages import LossContractError, beyond_parallel_pass, decided, declare_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +72,6 @@ def loss_name(network: nn.Cell) -> str:
     return type(network).__name__ + (f" ({losses[-1]})" if losses else "")
 
 
-def _close(measured: float, predicted: float, rtol: float, half: bool = False) -> bool:
-    """Equal within `rtol` of the larger (and, for a network computing in float16, `rtol` or a few of float16's steps at
-    that size: a loss below float16's normal range keeps few digits); a NaN on either side is not."""
-    size = max(abs(measured), abs(predicted))
-    step = 4 * float(np.spacing(np.float16(size))) if half and np.isfinite(size) else 0.0
-    return abs(measured - predicted) <= rtol * size + step
-
-
 def _layout(inputs: tuple) -> tuple:
     """What the contract's reading holds for (PyNative reads it again when it changes): each input's dtype and rank."""
     return tuple((x.dtype, x.ndim) if isinstance(x, Tensor) else type(x) for x in inputs)
@@ -97,17 +82,6 @@ def pair_rows(batch: int, micro_size: int) -> int:
     """The rows of the first two micro-batches (0 when a batch holds fewer than two)."""
     sizes = micro_batch_rows(batch, micro_size)[:2]
     return sizes[0] + sizes[1] if len(sizes) == 2 else 0
-
-
-def _first_only(function):
-    """`function`, called on the first call only."""
-    calls = []
-
-    def first():
-        if not calls:
-            calls.append(1)
-            function()
-    return first
 
 
 class ContractCheck(PrecisionNeutral):
@@ -137,7 +111,6 @@ class ContractCheck(PrecisionNeutral):
         self.layout = None
         self.failed = False
         self.findings = None
-        self._held = None   # the probe's HeldDraws while it runs
 
     @classmethod
     def of(cls, engine: nn.Cell, network: nn.Cell, spec, cls_name: str) -> "ContractCheck":
@@ -154,10 +127,10 @@ class ContractCheck(PrecisionNeutral):
     @compile_time
     def rtol(self) -> float:
         """The value comparisons' relative tolerance: float32 reductions in another order; float16 rounds far more."""
-        return RTOL_FLOAT16 if self.half else RTOL
+        return values.RTOL_FLOAT16 if self.half else values.RTOL
 
     @property
-    def _network(self) -> nn.Cell:
+    def engine_network(self) -> nn.Cell:
         """The network the engine runs (a recognised loss's counting copy, where it counts)."""
         return self._scaled_loss.loss_of_inputs.network
 
@@ -252,7 +225,7 @@ class ContractCheck(PrecisionNeutral):
                         graph=reading)
 
     def probe(self, engine: nn.Cell, inputs: tuple, public: bool = False) -> Optional[Findings]:
-        """Where the graph leaves the contract undecided: every row's values compared (:meth:`_every_row`), eagerly,
+        """Where the graph leaves the contract undecided: every row's values compared (diagnostics.values), eagerly,
         where the network draws no random values (a network that draws is accepted as declared: the graph's reading
         stops an undeclared one). Raises :class:`LossContractError` where the loss does not combine, else returns
         what it found; None where it cannot run (the graph compares then). `public`: messages name
@@ -260,119 +233,13 @@ class ContractCheck(PrecisionNeutral):
         batch = self._batch(engine, inputs)
         if batch is None:
             return None
-        sizes = batch.micro_rows
-        starts = np.cumsum([0] + sizes[:-1]).tolist()
-        compared = (float("nan"), float("nan"), 0, None)
-        network = self._network
-        with training_off(batch_norm_cells(network, cells=True)), own_gradients_off(network), \
-                HeldDraws(network) as held:
-            self._held = held
-            try:
-                # Twice on micro-batch 0, its draws held for the first pass only: a network that draws random values
-                # (dropout, noise) differs, and its values are not compared.
-                first = self._values(batch, [[(0, sizes[0])]] * 2, before_each=_first_only(held.repeat))
-                random = not all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(first[0], first[1]))
-                if not random:
-                    compared = self._every_row(batch, sizes, starts, self.kind, public)
-            finally:
-                self._held = None
-        return Findings(self.kind, None, (), None, random, compared[2], batch.batch, compared[0], compared[1],
-                        compared[3])
-
-    def _values(self, batch: BatchRows, parts: list, kind=None, before_each=None) -> list:
-        """``[(value, count), ...]``: the kind's tally (`kind`, else the cell's) of the network's loss on each part
-        (``[(start, stop), ...]`` of the batch's rows). Random draws are held the same before each pass (`before_each`
-        instead, if given)."""
-        calls = [(batch.spans(spans), ONE, sum(stop - start for start, stop in spans), ONE) for spans in parts]
-        kept = self._scaled_loss.kind
-        self._scaled_loss.kind = kind if kind is not None else self.kind
-        if before_each is None and self._held is not None:
-            before_each = self._held.repeat
-        try:
-            outputs = run_eagerly(self._scaled_loss, calls, before_each=before_each)
-        finally:
-            self._scaled_loss.kind = kept
-        return [(out[1], out[2]) for out in outputs]
-
-    def _combination(self, kind, parts: list, pair: tuple, rows: int) -> tuple:
-        """``(measured, predicted, holds)``: the pair's loss as `kind` reads it, the same combined from the `parts`'
-        own tallies, and whether they agree (every value `kind` compares); NaN where a part is not finite."""
-        with eager_mode():
-            measured = kind.compared(pair[0], pair[1], rows, ONE)
-            predicted = kind.compared(sum(part[0] for part in parts), sum(part[1] for part in parts), rows, ONE)
-        measured = [float(x.asnumpy().reshape(())) for x in measured]
-        predicted = [float(x.asnumpy().reshape(())) for x in predicted]
-        holds = all(_close(m, p, self.rtol, self.half) for m, p in zip(measured, predicted))
-        return measured[0], predicted[0], holds
-
-    # --- 3. every row's values ----------------------------------------------------------------------------------------
-
-    def _every_row(self, batch: BatchRows, sizes: list, starts: list, kind, public: bool) -> tuple:
-        """``(measured, predicted, rows, not_finite)``: each micro-batch's loss and each micro-batch with the next
-        together, compared as `kind` combines them; raises at the first pair that does not combine. The pair closest to
-        failing is returned; nothing is compared where a micro-batch's loss is not finite (`not_finite`: the first such;
-        the engine stops that step, naming it)."""
-        spans = [(start, start + rows) for start, rows in zip(starts, sizes)]
-        singles = [[span] for span in spans]
-        pairs = [[(spans[i][0], spans[i + 1][1])] for i in range(len(spans) - 1)]
-        outputs = self._values(batch, singles + pairs, kind)
-        own, together = outputs[:len(singles)], outputs[len(singles):]
-        finite = [all(np.isfinite(x.asnumpy()).all() for x in out) for out in own]
-        if not all(finite):
-            return float("nan"), float("nan"), 0, finite.index(False)
-        worst = (float("nan"), float("nan"), -1.0)
-        for i, both in enumerate(together):
-            rows = sizes[i] + sizes[i + 1]
-            measured, predicted, holds = self._combination(kind, own[i:i + 2], both, rows)
-            if not holds:
-                raise LossContractError(values_message(self, i, spans[i][0], spans[i + 1][1], measured, predicted,
-                                                             sizes, kind, public))
-            gap = abs(measured - predicted) / max(abs(measured), abs(predicted), 1e-30)
-            if gap > worst[2]:
-                worst = (measured, predicted, gap)
-        return worst[0], worst[1], batch.batch, None
-
-    # --- advice -------------------------------------------------------------------------------------------------------
+        random, measured, predicted, rows, not_finite = values.compare_rows(self, batch, public)
+        return Findings(self.kind, None, (), None, random, rows, batch.batch, measured, predicted, not_finite)
 
     def shared_input_hint(self, engine: nn.Cell, inputs: tuple) -> str:
-        """Where giving one split input whole to every micro-batch makes the loss combine: the advice to declare it
-        (an input shared by the whole batch whose axis 0 only equals the batch size; under semi-auto/auto parallel,
-        which cannot share it, the other routes); diagnostics.failures asks it too. Tried, not guessed: per-row labels
-        of a loss whose normalisation is the problem give no such advice. Run stand-alone, as the probe is."""
-        with stand_alone():
-            return self._shared_input_hint(engine, inputs)
-
-    def _shared_input_hint(self, engine: nn.Cell, inputs: tuple) -> str:
-        try:
-            batch = BatchRows(engine, inputs)
-        except Exception:  # pylint: disable=broad-except
-            return ""
-        sizes = batch.micro_rows
-        if len(sizes) < 2 or not self.reachable(inputs):
-            return ""
-        rows = sizes[0] + sizes[1]
-        for position, (role, index) in enumerate(batch.layout):
-            if role != SPLIT or index == 0:
-                continue
-            try:
-                calls = [(batch.rows(start, stop, index), ONE, stop - start, ONE)
-                         for start, stop in ((0, sizes[0]), (sizes[0], rows), (0, rows))]
-                one, two, both = [(out[1], out[2]) for out in run_eagerly(self._scaled_loss, calls)]
-                if not self._combination(self.kind, [one, two], both, rows)[2]:
-                    continue
-            except Exception:  # pylint: disable=broad-except
-                continue
-            name = f" ('{engine.input_names[position]}')" if position < len(engine.input_names) else ""
-            found = (f" Given whole to every micro-batch, input {position}{name} makes the loss combine: if it is "
-                     f"not one row per sample but shared by the whole batch (class weights, ids or a mask of fixed "
-                     f"size) whose axis 0 only equals the batch size, ")
-            if parallel_pass_outside():
-                return found + ("no micro-batch can get it whole under semi-auto/auto parallel, where MindSpore's "
-                                "parallel pass slices every input along axis 0: give it one row per sample, or train "
-                                "data parallel.")
-            return found + (f"declare it (e.g. shared_inputs=({position},)): every micro-batch then gets it "
-                            f"whole.")
-        return ""
+        """The advice to give one split input whole to every micro-batch, where that makes the loss combine
+        (diagnostics.values); diagnostics.failures asks it too."""
+        return values.shared_input_hint(self, engine, inputs)
 
     def _on_error(self, error: Exception, engine: nn.Cell, inputs: tuple) -> None:
         """An error of the eager passes: one the network raises on micro-batch rows only is the split's, and says so;
@@ -380,7 +247,7 @@ class ContractCheck(PrecisionNeutral):
         network's output too, after the checks of its surroundings that come first there)."""
         if str(error).startswith(f"For '{self.owner_name}',"):
             return
-        network = self._scaled_loss.loss_of_inputs.network
+        network = self.engine_network
         try:
             batch = BatchRows(engine, inputs)
             split_only = runs_on(network, batch.rows(0, batch.batch))

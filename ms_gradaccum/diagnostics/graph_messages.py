@@ -1,6 +1,6 @@
 """What the loss network's graph decides (``diagnostics.graph_contract``'s reading) for a package cell, and the message
 of each stop: :func:`decided`."""
-from ms_gradaccum.core.kinds import IgnoredLabelMean, RowMean, RowSum, TokenMean
+from ms_gradaccum.core.kinds import RowMean, TokenMean
 from ms_gradaccum.diagnostics.graph_contract import GraphReading, agrees, built_in, place
 
 
@@ -35,17 +35,10 @@ def beyond_parallel_pass(check, kind) -> str:
 def declare_kind(check, kind) -> str:
     """The stop where the graph, read after a compile the batch did not reach beforehand, shows a kind other than the
     one that graph trains (a train cell of one's own, sink mode): the argument that declares it."""
-    token, total = routes(False)
-    if isinstance(kind, IgnoredLabelMean):
-        route = f"pass kind=ms_gradaccum.IgnoredLabelMean({kind.position}, ignore_index={kind.ignore_index})"
-    elif isinstance(kind, RowSum):
-        route = f"pass {total}"
-    else:
-        route = token
     return (f"For '{check.owner_name}', the loss of {check.loss_name} is {kind.description}, as read from the loss "
             f"network's graph, but {taken_as(check, check.kind)}, and the graph was compiled so before the cell could "
             f"read it (the batch reaches the cell only inside the graph: a train cell of one's own, sink mode). "
-            f"Declare it: {route}. Nothing was trained.")
+            f"Declare it: {kind.declaration()}. Nothing was trained.")
 
 
 def decided(check, reading: GraphReading, public: bool):
