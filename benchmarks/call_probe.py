@@ -79,7 +79,7 @@ def probe(which: str, checks: tuple) -> dict:
             step = _step(which, check_loss)
             for _ in range(2):
                 step(x, y).asnumpy()
-        with Calls() as steady:   # the third call: no check is due (steps 1, 2, 4, ...)
+        with Calls() as steady:   # the third call: the contract was read on the first
             step(x, y).asnumpy()
         found[check_loss] = (len(whole.functions | steady.functions),
                              len(whole.modules | steady.modules), steady, whole.frame_reads + steady.frame_reads)

@@ -2,7 +2,8 @@
 
 Runs one or two steps of each network the project's issues name, the way a user trains it, and prints per case
 whether the eager check ran (``passed``), gave up (``failed``: the network does not run eagerly) or left the pass to
-the graph (the graph's step counter moved). The graph holds the pass only where the eager check has not run.
+the graph (its ``accu_state.loss_contract_step`` moved). The graph holds the pass only where the eager check has not
+run.
 
     python benchmarks/contract_survey.py            # CPU; MindFormers, mindcv, mindone where installed
 """

@@ -121,7 +121,7 @@ def _audit_test_names():
     names = []
     for token in re.findall(r"`((?:tests/)?test_[^`]*)`", text):
         module, _, function = token.rpartition("::")
-        if not module and token.endswith(".py"):   # a whole file: tests/test_x.py
+        if not module and token.endswith(".py"):   # a whole file (tests/test_<concern>.py)
             module, function = token, "*"
         module = module.replace("tests/", "").replace(".py", "")
         function = re.split(r"[\[\s(]", function)[0]
@@ -186,3 +186,25 @@ def test_docs_primitives_list_is_the_table():
     assert _primitives_differ(dict(sections, **{first: (count - 1, names[1:])}), RULES) == \
         [f"in the table, not listed: {names[0]}"]
     assert _primitives_differ(sections, {**RULES, "Planted": None}) == ["in the table, not listed: Planted"]
+
+
+def test_docs_names_in_prose_exist():
+    """Every repository path and every package name the prose cites (README, docs/, CONTRIBUTING, sample_code's
+    READMEs, the package's and the tests' docstrings and comments) exists: read from the source, importing no zoo."""
+    import prose_names   # pylint: disable=import-outside-toplevel
+    assert prose_names.every_stale_name() == {}
+    # Negative controls: planted stale names of each kind are found, in prose and in a module's docstring and comment;
+    # the real names beside them are not.
+    index = prose_names.Index()
+    private = "_NO_SUCH" + "_PRIVATE"   # built, not written: a string constant of an identifier counts as defined
+    planted = ("`core.kinds.NoSuchKind`, `_engine.CompileRecord` (moved), ms_gradaccum/_zoo_step.py, "
+               "`tests/tools/launch.py::no_such_function`, ``" + private + "``, `core/no_such.py`, `gone.md`; "
+               "fine: `core.kinds.LossKind`, ms_gradaccum/adapters/zoo_step.py, `mindone.diffusers`, "
+               "`kinds.RowSum`, tests/test_<concern>.py, `tests/tools/launch.py::msrun`, _mindspore/frontend.py")
+    assert sorted(prose_names.stale_names(planted, index)) == sorted([
+        ("name", "core.kinds.NoSuchKind"), ("name", "_engine.CompileRecord"), ("path", "ms_gradaccum/_zoo_step.py"),
+        ("path", "tests/tools/launch.py::no_such_function"), ("name", private),
+        ("path", "core/no_such.py"), ("file", "gone.md")])
+    code = '"""See ``diagnostics.contract.NoSuchCheck``."""\nx = 1   # and _buffers.gone\n'
+    assert sorted(prose_names.stale_names(prose_names.prose_of_code(code), index)) == [
+        ("name", "_buffers.gone"), ("name", "diagnostics.contract.NoSuchCheck")]

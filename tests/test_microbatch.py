@@ -1,4 +1,5 @@
-"""The pure arithmetic of splitting and normalising (ms_gradaccum/_microbatch.py, ms_gradaccum/_buffers.py), exactly."""
+"""The pure arithmetic of splitting and normalising (ms_gradaccum/core/microbatch.py, ms_gradaccum/core/buffers.py),
+exactly."""
 import numpy as np
 import mindspore as ms
 import pytest

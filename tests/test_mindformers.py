@@ -1,8 +1,8 @@
-"""MindFormers' own Trainer with ms_gradaccum.mindformers.GradAccumulationWrapper, on a tiny LLaMA on CPU, against the
-plain full batch: micro-batches, windows of several dataset steps, the token route on ragged rows, a dynamic loss scale
-with a binding clip, a resume from the Trainer's own checkpoint taken mid-window, data parallel on 2 ranks; every key
-MindFormers passes, checked. Each Trainer runs in a fresh process (tests/tools/mf_trainer.py): MindFormers sets
-process-wide context. Skipped, saying why, without MindFormers."""
+"""MindFormers' own Trainer with ms_gradaccum.adapters.mindformers.GradAccumulationWrapper, on a tiny LLaMA on CPU,
+against the plain full batch: micro-batches, windows of several dataset steps, the token route on ragged rows, a
+dynamic loss scale with a binding clip, a resume from the Trainer's own checkpoint taken mid-window, data parallel on
+2 ranks; every key MindFormers passes, checked. Each Trainer runs in a fresh process (tests/tools/mf_trainer.py):
+MindFormers sets process-wide context. Skipped, saying why, without MindFormers."""
 import json
 import os
 import subprocess

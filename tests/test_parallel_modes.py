@@ -92,9 +92,9 @@ print("BUILT", *loaded())
 
 
 def test_parallel_modes_a_stand_alone_step_never_loads_the_parallel_pass():
-    # The semi-auto hand-over sits behind one door (_cell._parallel_pass), data parallel's cross-rank parts behind
-    # another (_cell.data_parallel_module): a stand-alone step reads neither. Control: a cell bound (built) in either
-    # mode loads its own part, and only that.
+    # The semi-auto hand-over sits behind one door (cells.grad_accumulation._parallel_pass), data parallel's
+    # cross-rank parts behind another (cells.grad_accumulation.data_parallel_module): a stand-alone step reads
+    # neither. Control: a cell bound (built) in either mode loads its own part, and only that.
     def loaded(mode):
         done = subprocess.run([sys.executable, "-c", _STEP_MODULES, mode], capture_output=True, text=True,
                               timeout=300, check=False)

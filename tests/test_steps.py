@@ -239,7 +239,7 @@ def test_loss_scale_nested_grad_accumulationcell_rejected():
 def test_steps_adapters_use_only_the_public_hooks(module, name):
     """The zoo adapters change the train step through the documented hooks only: none defines a member whose name
     starts with one underscore (an override of, or an addition beside, the package's private machinery), nor does a
-    base they share below AccumulatingTrainOneStepCell (_zoo_step)."""
+    base they share below AccumulatingTrainOneStepCell (adapters.zoo_step)."""
     adapter = getattr(pytest.importorskip(module), name)
     assert issubclass(adapter, AccumulatingTrainOneStepCell)
     members = {}

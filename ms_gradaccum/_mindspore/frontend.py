@@ -1,14 +1,15 @@
 """The loss network's frontend graph, read from Python: what the loss contract's batch-axis analysis
 (``diagnostics.batch_axis``) reads instead of running the network.
 
-``_cell_graph_executor.compile(net, *inputs, phase="export.<name>", do_convert=False)`` runs MindSpore's frontend only
-(parse, type inference, the frontend passes; no kernels, nothing runs) and ``_get_func_graph_proto(net, phase,
-"mind_ir")`` serialises the result: the graph's inputs and weights with their shapes, its nodes in order (the
-primitive, the input names, the output shapes, the cell scope), and its constants with their values (a tensor
-constant's raw data too, where ``"anf_ir"`` leaves it out). Checked 2.7.0-2.10.0 (``../shared/FACTS.md``,
-2026-12-01). What the compile sets on the network (its phase, argument key and compile cache) is put back and the
-graph's resources are freed; so is the random state its random ops take their seeds from. IR dumps asked for in the
-context (``save_graphs``) leave it out; ``MS_DEV_SAVE_GRAPHS``, which MindSpore reads once, dumps it beside the step's.
+``mindspore.common.api._cell_graph_executor.compile(net, *inputs, phase="export.<name>", do_convert=False)`` runs
+MindSpore's frontend only (parse, type inference, the frontend passes; no kernels, nothing runs) and
+``_get_func_graph_proto(net, phase, "mind_ir")`` serialises the result: the graph's inputs and weights with their
+shapes, its nodes in order (the primitive, the input names, the output shapes, the cell scope), and its constants with
+their values (a tensor constant's raw data too, where ``"anf_ir"`` leaves it out). Checked 2.7.0-2.10.0
+(``../shared/FACTS.md``, 2026-12-01). What the compile sets on the network (its phase, argument key and compile cache)
+is put back and the graph's resources are freed; so is the random state its random ops take their seeds from. IR dumps
+asked for in the context (``save_graphs``) leave it out; ``MS_DEV_SAVE_GRAPHS``, which MindSpore reads once, dumps it
+beside the step's.
 """
 import dataclasses
 from typing import Optional
@@ -32,7 +33,7 @@ _T = mind_ir_pb2.TensorProto
 _NUMPY = {_T.BOOL: np.bool_, _T.INT8: np.int8, _T.INT16: np.int16, _T.INT32: np.int32, _T.INT64: np.int64,
           _T.UINT8: np.uint8, _T.FLOAT16: np.float16, _T.FLOAT: np.float32, _T.DOUBLE: np.float64}
 _FLOATS = (_T.FLOAT16, _T.FLOAT, _T.DOUBLE, _T.BFLOAT16)
-# What the compile sets on the cell it compiles (mindspore/graph/api.py, _CellGraphExecutor.compile).
+# What the compile sets on the cell it compiles (``mindspore.graph.api._CellGraphExecutor.compile``).
 _SET_BY_COMPILE = ("arguments_key", "current_phase", "compile_phase", "__parse_method__")
 NOT_A_VALUE = object()   # a constant the graph holds that is not a number, a tuple or an array (a monad, a type)
 CALL = "<call>"   # the op of a node that calls a graph the graph computes (control flow)

@@ -2,7 +2,7 @@
 only by whoever uses it, under its public path (``ms_gradaccum.mindformers``, ``.mindcv``, ``.mindocr``, ``.mindone``,
 ``.mindone.transformers``, which re-export these modules); the package imports none of them.
 
-What an adapter is, in one place (as einops' ``_backends.py`` states a backend's):
+What an adapter is, in one place (as einops' einops/_backends.py states a backend's):
 
 - **One base class**, :class:`ms_gradaccum.AccumulatingTrainOneStepCell`, subclassed once per zoo step (the train step
   mindone's diffusion trainers and mindocr share is :mod:`.zoo_step`'s ``ZooTrainOneStepWrapper``).

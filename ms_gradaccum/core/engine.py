@@ -277,7 +277,7 @@ class MicroBatchGradients(PrecisionNeutral):
         return assemble(micro_batch(split, i), shared, constants, layout)
 
     def _tally(self, out, totals, index, first_row, rows):
-        """The loop's `totals` (see ``_TOTALS``) after micro-batch `index` (rows `first_row` on), whose ScaledLoss
+        """The loop's `totals` (see ``_AT``) after micro-batch `index` (rows `first_row` on), whose ScaledLoss
         output is `out`. All float32: a bool carried by the loop compiles slower (docs/measurements.md)."""
         value, count = totals[_AT["value"]] + out[1], totals[_AT["count"]] + out[2]
         smallest, finite = totals[_AT["smallest"]], totals[_AT["finite"]]

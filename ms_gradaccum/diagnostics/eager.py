@@ -1,5 +1,6 @@
 """The one place the package runs the user's network outside a graph: the loss contract's probe (contract) and the
-tries behind the error context (_failures) both call :func:`run_eagerly`, which puts the network back as it found it.
+tries behind the error context (diagnostics.failures) both call :func:`run_eagerly`, which puts the network back as it
+found it.
 """
 import contextlib
 from typing import Optional

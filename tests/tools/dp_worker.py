@@ -1,4 +1,4 @@
-"""One rank of the 2-process data-parallel tests, started by msrun (see tests/launch.py).
+"""One rank of the 2-process data-parallel tests, started by msrun (see tests/tools/launch.py).
 
 Usage: python dp_worker.py OUT_DIR TASK {data_parallel|stand_alone}, TASK one of the following.
 - train: trains the test MLP for 3 steps through ms.Model (dataset sharded with num_shards/shard_id) and
