@@ -157,3 +157,38 @@ def test_kinds_built_in_tally_and_normalise_are_the_design_table(name, kind, tal
     # Control: the comparison sees a wrong value (a RowMean weighed by rows, not rows per unit, is caught).
     with pytest.raises(AssertionError):
         np.testing.assert_allclose(_numbers(RowMean().tally(f32(2.0), f32(3.0), 6, f32(1.0), ())), (0.75, 1.5, 0.75))
+
+
+def _kind_type_branches(source: str, kinds: set) -> list:
+    """Where `source` branches on a kind's type: ``isinstance(x, K)`` with K a kind class, or ``getattr(..kind.., "name"
+    , default)`` (an attribute a kind may lack)."""
+    import ast   # pylint: disable=import-outside-toplevel
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        if node.func.id == "isinstance" and len(node.args) == 2:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(isinstance(c, ast.Name) and c.id in kinds for c in classes):
+                found.append(ast.unparse(node))
+        elif node.func.id == "getattr" and len(node.args) == 3 and "kind" in ast.unparse(node.args[0]):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_kinds_no_other_module_branches_on_a_kinds_type():
+    """core/kinds.py's claim: the other modules read what a kind declares, never its type (a kind of one's own is then
+    treated as what it declares)."""
+    import pathlib   # pylint: disable=import-outside-toplevel
+    import ms_gradaccum   # pylint: disable=import-outside-toplevel
+    from ms_gradaccum.core import input_count, kinds, tokens   # pylint: disable=import-outside-toplevel
+    names = {name for module in (kinds, input_count, tokens) for name, value in vars(module).items()
+             if isinstance(value, type) and issubclass(value, LossKind)}
+    root = pathlib.Path(ms_gradaccum.__file__).parent
+    branches = {str(path.relative_to(root)): _kind_type_branches(path.read_text(), names)
+                for path in root.rglob("*.py") if path.name != "kinds.py"}
+    assert {path: found for path, found in branches.items() if found} == {}
+    # Negative control: the branches the package used to hold are found.
+    assert _kind_type_branches("if isinstance(kind, RowMean) or isinstance(f, (TokenMean, Other)):\n"
+                               "    x = getattr(spec.kind, 'cells', ())\n", names) == [
+        "isinstance(kind, RowMean)", "isinstance(f, (TokenMean, Other))", "getattr(spec.kind, 'cells', ())"]

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import mindspore as ms
 import pytest
+import ms_gradaccum
 from mindspore import nn, ops, Tensor
 
 from helpers import (assert_params_equal, assert_params_moved, assert_updates_close, make_llama, make_optimizer,
@@ -331,3 +332,10 @@ def test_mindformers_trainer_check_is_undone_by_uninstall():
         TRAINER_CHECK.install()
         TRAINER_CHECK.install()
     assert BaseTrainer._check_grad_accumulation_steps.__qualname__.startswith("TrainerCheck.")  # pylint: disable=protected-access
+    # remove_patches() undoes it too, and says so; the control: a second call has nothing left to undo.
+    try:
+        assert "MindFormers trainer check" in ms_gradaccum.remove_patches()
+        assert BaseTrainer._check_grad_accumulation_steps is original  # pylint: disable=protected-access
+        assert "MindFormers trainer check" not in ms_gradaccum.remove_patches()
+    finally:
+        TRAINER_CHECK.install()

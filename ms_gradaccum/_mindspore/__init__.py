@@ -11,6 +11,7 @@ state after an eager pass (``surroundings.call_state_kept``), the random primiti
 - :mod:`.parallel`: what the parallel modes read (communication, the gradient reducer, the batch axis's split).
 - :mod:`.patches`: the process-wide changes, each with ``install()`` and ``uninstall()``.
 - :mod:`.randomness`: random draws held the same across the loss contract's probe passes, the random state put back.
+- :mod:`.mindformers`: MindFormers' trainer check, run after the package's (imported by the MindFormers adapter only).
 - :mod:`.bprops`: the cells whose own ``bprop`` calls ``mindspore.ops.zeros_like`` (where that patch cannot apply).
 """
 from ms_gradaccum._mindspore import version

@@ -107,6 +107,7 @@ class GraphCompile(Patch):
 
     def __init__(self):
         self._original = None
+        self._own_attribute = False   # the executor held `compile` in its own __dict__ before the install
         self.hooks = []
         self.decorators = []
 
@@ -135,12 +136,18 @@ class GraphCompile(Patch):
                 raise
 
         self._original = original
+        self._own_attribute = "compile" in vars(CELL_GRAPH_EXECUTOR)
         CELL_GRAPH_EXECUTOR.compile = compile_with_hooks
         return True
 
     def uninstall(self) -> None:
+        """The executor as it was: its own attribute put back, or the one the install added deleted (its class's
+        method is then what ``compile`` finds, as before)."""
         if self.installed:
-            CELL_GRAPH_EXECUTOR.compile = self._original
+            if self._own_attribute:
+                CELL_GRAPH_EXECUTOR.compile = self._original
+            else:
+                del CELL_GRAPH_EXECUTOR.compile
         self._original = None
 
     def around(self, hook: Callable) -> None:
@@ -165,7 +172,15 @@ def with_context(error: Exception, context: str) -> None:
 
 AUTODIFF_ZEROS_LIKE = AutodiffZerosLike()
 GRAPH_COMPILE = GraphCompile()
-PATCHES = (AUTODIFF_ZEROS_LIKE, GRAPH_COMPILE)
+# Every process-wide change, by the name remove_patches() reports: MindSpore's here, other libraries' registered by
+# the module that makes them (register), when it is imported.
+PATCHES = {"autodiff zeros_like": AUTODIFF_ZEROS_LIKE, "graph compile": GRAPH_COMPILE}
+
+
+def register(name: str, patch: Patch) -> Patch:
+    """Makes `patch` (another library's change, made by an adapter) one that :func:`remove_patches` undoes."""
+    PATCHES[name] = patch
+    return patch
 
 
 def remove_patches() -> list:
@@ -176,10 +191,9 @@ def remove_patches() -> list:
     ``bprop`` calling ``mindspore.ops.zeros_like`` compiles, and kept for the process after (such a cell installs it
     again at its next compile); the graph executor's ``compile`` wrapped while a package cell waits for its first
     compile, and removed by itself after it (a cell still waiting then compares the first two micro-batches' values in
-    its graph instead of being probed first)."""
-    removed = [name for name, patch in (("autodiff zeros_like", AUTODIFF_ZEROS_LIKE), ("graph compile",
-                                                                                      GRAPH_COMPILE))
-               if patch.installed]
-    for patch in PATCHES:
+    its graph instead of being probed first); and what an adapter registered (``ms_gradaccum.mindformers``: the check
+    run first in MindFormers' ``BaseTrainer._check_grad_accumulation_steps``, installed at its import)."""
+    removed = [name for name, patch in PATCHES.items() if patch.installed]
+    for patch in PATCHES.values():
         patch.uninstall()
     return removed

@@ -20,12 +20,13 @@ MindFormers builds a wrapper as ``cls(**runner_wrapper keys, network=, optimizer
 global_norm_spike_threshold=, print_separate_loss=, use_skip_data_by_global_norm=, lr_scheduler=,
 grouped_lr_scheduler=)`` (``trainer/base_trainer.py::create_model_wrapper``, ``wrapper/build_wrapper.py``,
 ``tools/register/register.py``; MindFormers 2.1.0). The package itself never imports MindFormers; only this module
-does. What it relies on in MindFormers, checked against 2.1.0:
+does, and ``_mindspore.mindformers``, which it alone imports. What it relies on in MindFormers, checked against 2.1.0:
 
 - the registry (``MindFormerRegister.register_cls``) and the keywords above;
 - ``BaseTrainer._check_grad_accumulation_steps``, run before the wrapper is built, which resets
   ``gradient_accumulation_steps`` to 1 outside semi-auto/auto parallel (and elsewhere replaces the wrapper type): this
-  module runs its own check first (:func:`check_trainer_config`);
+  module runs its own check first (:func:`check_trainer_config`, through ``_mindspore.mindformers``, which
+  ``remove_patches()`` undoes);
 - ``CheckpointMonitor`` leaves out every parameter whose name contains ``accu_grads``, and a resumed run loads the
   checkpoint into the model and the optimizer only (``trainer/utils.py::load_ckpt``): the wrapper names its buffers
   ``grad_accumulation.<weight>`` and also registers its window state under the optimizer;
@@ -43,7 +44,6 @@ try:
     from mindformers.core.clip_grad import ClipGradNorm
     from mindformers.core.context.build_context import is_legacy_model
     from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
-    from mindformers.trainer.base_trainer import BaseTrainer
     from mindformers.wrapper.adaptive_loss_scale import AdaptiveLossScaleUpdateCell
 except ImportError as error:   # pragma: no cover - the message is what matters
     raise ImportError(
@@ -55,7 +55,8 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time
-from ms_gradaccum._mindspore.patches import Patch
+from ms_gradaccum._mindspore.mindformers import TrainerCheck
+from ms_gradaccum._mindspore.patches import register
 from ms_gradaccum._mindspore.surroundings import parallel_mode, parallel_pass_in_force
 from ms_gradaccum.cells.accumulating import SCALE_MANAGERS, AccumulatingTrainOneStepCell, StepOptions
 from ms_gradaccum.core.kinds import LossSpec
@@ -285,36 +286,7 @@ def check_trainer_config(config) -> None:
             f"there MindFormers' gradient_accumulation_steps (its MFPipelineWithLossScaleCell) accumulates.")
 
 
-class TrainerCheck(Patch):
-    """:func:`check_trainer_config` run first in ``BaseTrainer._check_grad_accumulation_steps``, before MindFormers
-    resets or replaces anything; ``uninstall()`` puts MindFormers' method back."""
-
-    def __init__(self):
-        self._original = None
-
-    @property
-    def installed(self) -> bool:
-        return self._original is not None
-
-    def install(self) -> bool:
-        if self._original is not None:
-            return True
-        original = BaseTrainer._check_grad_accumulation_steps  # pylint: disable=protected-access
-
-        def _check_grad_accumulation_steps(trainer):
-            check_trainer_config(trainer.config)
-            return original(trainer)
-
-        self._original = original
-        BaseTrainer._check_grad_accumulation_steps = _check_grad_accumulation_steps  # pylint: disable=protected-access
-        return True
-
-    def uninstall(self) -> None:
-        if self._original is not None:
-            BaseTrainer._check_grad_accumulation_steps = self._original  # pylint: disable=protected-access
-            self._original = None
-
-
-TRAINER_CHECK = TrainerCheck()
+# MindFormers' trainer check runs the package's first (ms_gradaccum._mindspore.mindformers): undone by remove_patches().
+TRAINER_CHECK = register("MindFormers trainer check", TrainerCheck(check_trainer_config))
 MindFormerRegister.register_cls(GradAccumulationWrapper, module_type=MindFormerModuleType.WRAPPER)
 TRAINER_CHECK.install()

@@ -1,7 +1,6 @@
 """AccumulatingTrainOneStepCell: one optimizer step every `accumulate_steps` batches, each batch optionally split into
 `micro_size` micro-batches."""
 import dataclasses
-import operator
 from typing import Optional
 
 import mindspore as ms
@@ -10,7 +9,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import CompileChecks, compile_time, run_compile_checks
 from ms_gradaccum._mindspore.surroundings import Surroundings
-from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force
+from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, phase_noting
 from ms_gradaccum.cells.binding import BoundCell
 from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
 from ms_gradaccum.cells.grad_accumulation import DataParallelParts, GradAccumulationCell, data_parallel_module
@@ -233,13 +232,8 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
     #: ``_exec_preprocess``; checked 2.7.0-2.10.0), which a loop of one's own does not.
     trained_by_model = False
 
-    def _set_phase(self, value: str) -> None:
-        nn.Cell.phase.fset(self, value)
-        object.__setattr__(self, "trained_by_model", True)
-
-    # Cell.phase, noting who sets it. MindSpore reads it on every call: the getter is operator.attrgetter, which runs no
-    # Python (a steady call runs none of the package's).
-    phase = property(operator.attrgetter("_phase"), _set_phase, doc=nn.Cell.phase.__doc__)
+    # Cell.phase, noting who sets it; read on every call without running the package's Python.
+    phase = phase_noting("trained_by_model")
 
     def check_at_compile(self) -> None:
         """What is checked when the graph compiles (and at every call in PyNative mode): see

@@ -215,7 +215,7 @@ class MicroBatchGradients(PrecisionNeutral):
         self.checks_counts = spec.kind.checks_counts
         self.counts_in_network = spec.kind.counts_in_network
         self.skips_empty = spec.kind.skips_empty
-        self.counted_cells = ", ".join(getattr(spec.kind, "cells", ()))
+        self.counted_cells = ", ".join(spec.kind.cells)
         self.kind_setting = spec.kind.setting   # names the kind in the count's messages
         self.overwrite = overwrite
         self.owner_name = cls_name

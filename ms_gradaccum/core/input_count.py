@@ -46,6 +46,7 @@ class InputCountMean(LossKind):
     """
     sums_across_ranks = True   # the whole batch's count, all devices': as one process on the global batch
     skips_empty = True   # a micro-batch whose count is 0: 0/0 in the network, nothing in the full batch
+    graph_readable = True
     setting = "(a mean over a count read from the loss network's graph)"
 
     def __init__(self, position: int, steps: tuple, min_count: float = 0.0):
@@ -53,6 +54,9 @@ class InputCountMean(LossKind):
         self.steps = tuple(steps)
         self.min_count = float(min_count)
         self.description = f"a mean over {describe(self.steps)} of input {self.position}"
+
+    def counted_input(self):
+        return self.position
 
     def declaration(self) -> str:
         return TokenMean().declaration()   # no public constructor: the count returned by the network instead

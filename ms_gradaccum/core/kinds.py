@@ -1,7 +1,8 @@
 """Loss kinds: what one micro-batch's loss adds to its batch or window, and how the sums become the loss and the mean
 gradient. A kind is one object (as optax's microbatching ``Accumulator``); no other module branches on its type, only
 on what it declares (``returns_count``, ``checks_counts``, ``counts_in_network``, ``in_parallel_pass``,
-``skips_empty``).
+``skips_empty``, ``graph_readable``, ``ignores_labels``, ``cells``, :meth:`LossKind.counted_input`,
+:meth:`LossKind.declaration`).
 
 Per micro-batch (in the graph, and eagerly for the first call's probe) :meth:`LossKind.tally` returns ``(weight, value,
 count)``: the backward pass runs on ``loss * scale * weight``, so the buffers hold ``scale * sum(weight * gradient)``;
@@ -42,6 +43,10 @@ class LossKind:
         min_count (float): The floor of the total count a batch or window divides by.
         skips_empty (bool): A micro-batch whose count is 0 adds nothing: its loss and gradients (0/0 where the
             network divides by that count) are left out of the sums, as the full batch leaves its rows out.
+        graph_readable (bool): The loss network's graph can show this kind (diagnostics.graph_contract), so a
+            declaration of it is checked against the graph; a kind of one's own is taken as declared.
+        ignores_labels (bool): A mean over the labels of one input that are not an ignore value.
+        cells (tuple[str]): The recognised loss cells that count (core.tokens.CountedMean), by name.
         description (str): What the cell was told the loss is, for messages.
         setting (str): The argument that selects it, for messages.
     """
@@ -51,9 +56,16 @@ class LossKind:
     checks_counts = False
     counts_in_network = False
     skips_empty = False
+    graph_readable = False
+    ignores_labels = False
+    cells = ()
     min_count = 0.0
     description = "a loss of its own kind"
     setting = "kind=..."
+
+    def counted_input(self):
+        """The network's input the count is taken from (a mean over a count of the inputs), else None."""
+        return None
 
     def declaration(self) -> str:
         """What declares it to a package cell, for the stop where the graph shows it only after compiling for another
@@ -101,6 +113,7 @@ class LossKind:
 class RowMean(LossKind):
     """A mean over the rows the network is given (the default): each micro-batch weighs its rows, in count units."""
     in_parallel_pass = True
+    graph_readable = True
     description = "a mean over the rows it is given (the default)"
     setting = "reduction='mean'"
 
@@ -116,6 +129,7 @@ class RowMean(LossKind):
 class RowSum(LossKind):
     """A sum over the rows (or a mean times their number): counted in rows like a mean, but its value and gradient
     taken per count unit, and the result multiplied by the rows (``count * count_unit``)."""
+    graph_readable = True
     description = "a sum over the rows (reduction='sum')"
     setting = "reduction='sum'"
 
@@ -137,6 +151,7 @@ class TokenMean(LossKind):
     returns_count = True
     sums_across_ranks = True
     checks_counts = True
+    graph_readable = True
     description = "(loss_sum, count) with per_token_loss=True"
     setting = "per_token_loss=True"
 
@@ -181,12 +196,17 @@ class IgnoredLabelMean(LossKind):
     """
     sums_across_ranks = True   # the whole batch's count, all devices': as one process on the global batch
     skips_empty = True   # a micro-batch without a valid label: 0/0 in the network, nothing in the full batch
+    graph_readable = True
+    ignores_labels = True
     setting = "(a mean over valid labels, found by the first call's probe)"
 
     def __init__(self, position: int, ignore_index: int = IGNORE_INDEX):
         self.position = int(position)
         self.ignore_index = int(ignore_index)
         self.description = f"a mean over the labels of input {self.position} that are not {self.ignore_index}"
+
+    def counted_input(self):
+        return self.position
 
     def declaration(self) -> str:
         return f"pass kind=ms_gradaccum.IgnoredLabelMean({self.position}, ignore_index={self.ignore_index})"

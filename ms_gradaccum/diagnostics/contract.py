@@ -27,7 +27,6 @@ from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.patches import with_context
 from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, stand_alone
 from ms_gradaccum.core.base import PrecisionNeutral, Unsaved
-from ms_gradaccum.core.kinds import IgnoredLabelMean
 from ms_gradaccum.core.microbatch import assemble, micro_batch_rows
 from ms_gradaccum.core.validation import computes_in_float16, readable
 from ms_gradaccum.diagnostics import graph_contract, values
@@ -220,7 +219,7 @@ class ContractCheck(PrecisionNeutral):
         kind = decided(self, reading, public)
         if kind is None:
             return None
-        ignore = reading.count_input if isinstance(kind, IgnoredLabelMean) else None
+        ignore = reading.count_input if kind.ignores_labels else None
         return Findings(kind, True, (), ignore, bool(reading.random), 0, batch.batch, read_from_graph=True,
                         graph=reading)
 

@@ -13,7 +13,6 @@ from ms_gradaccum.core.kinds import IgnoredLabelMean, LossKind, RowMean, RowSum,
 from ms_gradaccum.diagnostics.batch_axis import COUNT_UNREAD, NORMALISER, Coupled, Fixed, Many, Reduced, Unknown
 from ms_gradaccum.diagnostics.batch_table import analyse
 
-_BUILT_IN = (RowMean, RowSum, TokenMean, IgnoredLabelMean, InputCountMean)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +155,7 @@ def _found(reading, nodes: int) -> GraphReading:
         kind, why = _kind_of(state)
         if kind is None:
             return GraphReading(stop=why, random=random, nodes=nodes)
-        count = kind.position if isinstance(kind, (IgnoredLabelMean, InputCountMean)) else None
-        return GraphReading(kind=kind, count_input=count, random=random, nodes=nodes)
+        return GraphReading(kind=kind, count_input=kind.counted_input(), random=random, nodes=nodes)
     if isinstance(state, Fixed):
         return GraphReading(unread="the loss does not depend on the rows", random=random, nodes=nodes)
     return GraphReading(unread="the loss is not reduced over the rows", random=random, nodes=nodes)
@@ -178,11 +176,9 @@ def _many(state: Many, random: tuple, nodes: int) -> GraphReading:
 
 def built_in(kind: LossKind) -> bool:
     """Whether `kind` is one of the package's (a kind of one's own is taken as declared)."""
-    return isinstance(kind, _BUILT_IN)
+    return kind.graph_readable
 
 
 def agrees(found: LossKind, kind: LossKind) -> bool:
     """Whether the kind the graph showed is the cell's `kind` (a ``TokenMean``'s floor and sum are the user's)."""
-    if isinstance(found, TokenMean) and isinstance(kind, TokenMean):
-        return True
-    return found == kind
+    return (found.returns_count and kind.returns_count) or found == kind

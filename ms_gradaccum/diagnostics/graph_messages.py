@@ -1,6 +1,6 @@
 """What the loss network's graph decides (``diagnostics.graph_contract``'s reading) for a package cell, and the message
 of each stop: :func:`decided`."""
-from ms_gradaccum.core.kinds import RowMean, TokenMean
+from ms_gradaccum.core.kinds import RowMean
 from ms_gradaccum.diagnostics.graph_contract import GraphReading, agrees, built_in, place
 
 
@@ -84,13 +84,13 @@ def decided(check, reading: GraphReading, public: bool):
     if kind.counts_in_network:
         # A recognised loss cell counts what it divides by; where several do, a count the graph shows taken from the
         # inputs serves every one on those labels (two heads on the same labels), counted by the package instead.
-        counted = getattr(found, "position", None) is not None
-        if counted and len(getattr(kind, "cells", ())) > 1:
+        counted = found.counted_input() is not None
+        if counted and len(kind.cells) > 1:
             return found
-        return kind if counted or isinstance(found, RowMean) else None
+        return kind if counted or found == RowMean() else None
     if not built_in(kind):
         return kind   # a kind of one's own: declared, and the graph shows the rows are not coupled
-    if kind.returns_count and not isinstance(found, TokenMean):
+    if kind.returns_count and not found.returns_count:
         raise LossContractError(
             f"For '{owner}', the loss of {name} is {found.description}, but {taken_as(check, kind)}: return the sum "
             f"over the rows and the count, not their mean, or leave per_token_loss unset and the cell trains it as "
@@ -101,8 +101,8 @@ def decided(check, reading: GraphReading, public: bool):
             f"For '{owner}', the loss of {name} is {found.description}, but {taken_as(check, kind)}: {undeclared} "
             f"and the cell trains it as what it is (counted per micro-batch on every step), or {token}. Read from the "
             f"loss network's graph.")
-    if isinstance(found, TokenMean) and isinstance(kind, TokenMean):
-        return kind
+    if found.returns_count and kind.returns_count:
+        return kind   # the floor and the sum are the user's
     return found
 
 

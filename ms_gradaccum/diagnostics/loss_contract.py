@@ -7,7 +7,7 @@ from typing import Optional
 from mindspore import nn
 
 from ms_gradaccum.core.engine import NON_FINITE_CAUSE, MicroBatchGradients
-from ms_gradaccum.core.kinds import IgnoredLabelMean, LossKind, LossSpec
+from ms_gradaccum.core.kinds import LossKind, LossSpec
 from ms_gradaccum.core.microbatch import check_tensor_inputs, micro_batch_rows
 from ms_gradaccum.core.tokens import recognised
 from ms_gradaccum.core.validation import argument_error, check_cell
@@ -115,6 +115,6 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
     if graph is None:
         return LossContractReport(found.kind, tuple(rows), found.separable, found.probed_inputs, found.ignore_labels,
                                   found.random, found.rows_compared, found.measured, found.predicted)
-    ignore = graph.count_input if isinstance(found.kind, IgnoredLabelMean) else None
+    ignore = graph.count_input if found.kind.ignores_labels else None
     return LossContractReport(found.kind, tuple(rows), True, (), ignore, bool(graph.random), 0, float("nan"),
                               float("nan"), True, graph.count_input, graph.random, graph.nodes)
