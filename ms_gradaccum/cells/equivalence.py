@@ -102,12 +102,12 @@ def check_equivalence(make_loss_network: Callable[[], nn.Cell], batches: Sequenc
     per rank. On FAIL it names the likely causes it can see: batch normalisation, dropout, or a loss that is
     a sum rather than a mean (the updates then differ by a factor of about `micro_size`).
 
-    The cells themselves check the loss contract on their first step (a forward pass on two micro-batches together,
-    eager where the batch can be reached, against what they combine; ``check_loss``): that stops a sum, a mean times the
-    batch size, or a normalisation over
-    the batch before any update, but not a loss that breaks only on some batches, nor effects beyond the loss (batch
-    statistics, other state). This function trains several steps and compares the weights, so it sees those too; it
-    runs with the cells' check off, to measure how far such a network trains.
+    The cells themselves check the loss contract on their first step (read from the loss network's graph, and where that
+    leaves it undecided every row's values compared; ``check_loss``): that stops rows coupled over the batch, or a loss
+    not one kind they can count, before any update, but not a loss whose form the graph leaves to the values and that
+    breaks only on some batches, nor effects beyond the loss (batch statistics, other state). This function trains
+    several steps and compares the weights, so it sees those too; it runs with the cells' check off, to measure how far
+    such a network trains.
 
     Args:
         make_loss_network (Callable[[], Cell]): Builds the loss network, e.g.

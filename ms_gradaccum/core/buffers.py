@@ -2,7 +2,8 @@
 
 Buffers are ``Parameter``s (``requires_grad=False``) named ``accu_grads.<weight name>``: gradients are added into them
 in place as they are produced, memory accounting that counts Parameters sees them, and checkpoints carry them. Every
-write into them is an operation of this module (the adds, the mean of a batch or window, the clearing).
+write into them is an operation of this module (the adds, the mean of a batch or window, the clearing) but one: under
+data parallel, their sum across devices in place (``parallel.data_parallel.InPlaceAllReduce``).
 :func:`normalise` turns the tallies into the loss, ``rows * value / max(count, floor)``, and the buffers' divisor,
 ``scale * max(count, floor) / (devices factor * rows)``.
 """
@@ -70,7 +71,8 @@ class GradientBuffers(nn.Cell):
 
 
 # --- in-place operations (graph mode: no gradient-sized temporary per weight) ----------------------------------------
-# Every write into the buffers is here: the adds of the micro-batches, the mean of a window or a batch, the clearing.
+# Every write into the buffers is here (the in-place all-reduce across devices aside: parallel.data_parallel): the
+# adds of the micro-batches, the mean of a window or a batch, the clearing.
 # Each is one HyperMap over the buffers (a Python loop over the weights compiles slower, docs/measurements.md); the
 # calls run in the tuple's order, so temporaries exist one at a time.
 

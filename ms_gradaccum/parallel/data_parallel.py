@@ -106,14 +106,9 @@ class ReplicaCheck(PrecisionNeutral):
         object.__setattr__(self, "_targets", targets)   # a bound method of the owner: (weights, buffers)
         self.owner_name = cls_name
         self._checked = Unsaved(Parameter(Tensor(False), name="accu_state.replicas_checked", requires_grad=False))
-        object.__setattr__(self, "_all_gather", None)
-
-    @compile_time
-    def all_gather(self):
-        # Made when first compiled: the primitive reads the group size when created (1 before init()).
-        if self._all_gather is None:
-            object.__setattr__(self, "_all_gather", ops.AllGather())
-        return self._all_gather
+        # Built only once the communication is up (cells.grad_accumulation binds it so): the primitive reads the
+        # group size when created (1 before init()).
+        self.all_gather = ops.AllGather()
 
     @compile_time
     def active(self) -> bool:
