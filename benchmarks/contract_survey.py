@@ -27,7 +27,7 @@ K = 4
 def where(cell) -> str:
     contract = cell.contract
     graph = int(contract.graph_runs.asnumpy())
-    if contract.probed:
+    if contract.decided:
         return "eager probe" + (" (and graph)" if graph else "")
     return "graph (first run)" if graph else ("eager failed, graph off" if contract.failed else "not run")
 

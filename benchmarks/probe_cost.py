@@ -6,8 +6,9 @@
 ``nn.TrainOneStepCell(GradAccumulationCell(loss_net, 4))`` in GRAPH_MODE on the benchmark's MLP and language model
 (benchmarks/worker.py). Timed in one process: the first call with the probe and with ``check_loss=False`` (each the
 probe, where on, then the graph's compile and one step; wall and process CPU seconds), the probe alone on the same batch
-(``ContractCheck.probe``, medians of REPEATS), and STEPS steady steps (median). The probe runs once per run (again in
-PyNative only when the inputs' layout changes), so its cost over a run's first 1024 steps is its time over theirs.
+(``LossContract.compare_values``, medians of REPEATS), and STEPS steady steps (median). The probe runs once per run
+(again in PyNative only when the inputs' layout changes), so its cost over a run's first 1024 steps is its time over
+theirs.
 """
 import argparse
 import os
@@ -53,7 +54,7 @@ def measure(model: str, batch: int, micro_size: int, steps: int, repeats: int) -
     probe = []
     for _ in range(repeats):
         start = time.perf_counter()
-        cell.contract.probe(cell.engine, (x, y))
+        cell.contract.compare_values(cell.engine, (x, y))
         probe.append(time.perf_counter() - start)
     times = []
     for _ in range(steps + 1):

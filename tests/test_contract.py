@@ -389,7 +389,7 @@ def test_contract_check_leaves_what_a_cell_s_own_call_set_as_it_was(wrap, optimi
     # putting the flags back, the same network trains otherwise than the full batch, silently (the comparison of eager
     # passes with each other cannot see that the graph compiled another branch).
     from ms_gradaccum.diagnostics import contract   # pylint: disable=import-outside-toplevel
-    monkeypatch.setattr(contract.ContractCheck, "read_graph", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(contract.LossContract, "read_graph", lambda self, *args, **kwargs: None)
     monkeypatch.setattr(_eager, "call_state_kept", lambda network: contextlib.nullcontext())
     wrong, _, flags = _attention_run(wrap(), optimizer)
     assert flags == (True, True)

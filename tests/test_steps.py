@@ -247,7 +247,7 @@ def test_steps_adapters_use_only_the_public_hooks(module, name):
         members.update({member: cls.__name__ for member in vars(cls) if member not in members})
     private = [member for member in members if member.startswith("_") and not member.startswith("__")]
     assert private == [], f"{name} defines {private}"
-    hooks = {"transform_gradients", "after_optimizer_step", "construct", "transforms_gradients"}
+    hooks = {"transform_gradients", "after_optimizer_step", "construct", "changes_gradients"}
     assert hooks & set(members), f"{name} uses none of the hooks: the check would pass on any class"
     # Its options are passed in (StepOptions), not set on the class.
     options = {field.name for field in dataclasses.fields(StepOptions)}

@@ -13,7 +13,7 @@ What an adapter is, in one place (as einops' einops/_backends.py states a backen
   ``skips_overflow`` (whether an overflowing window's step is skipped), ``state_under_optimizer`` (whether the window's
   state is registered under the optimizer too, for a resume that loads the model and the optimizer only).
 - **Its hooks, overridden and nothing else**: ``transform_gradients(grads) -> (grads, step)`` once per optimizer step
-  (clipping, skipping a spike; set ``transforms_gradients`` when it may leave them as they are),
+  (clipping, skipping a spike; set ``changes_gradients`` when it may leave them as they are),
   ``after_optimizer_step(stepped)`` (an EMA), ``keep_state(name, parameter)`` for state a hook keeps (in checkpoints,
   and under the optimizer with ``state_under_optimizer``), and ``construct`` calling ``accumulate(*inputs)`` where the
   zoo's step returns other outputs.

@@ -193,7 +193,7 @@ class GradAccumulationWrapper(AccumulatingTrainOneStepCell):
         return (ops.depend(grads[0], done),) + tuple(grads[1:]), True
 
     @compile_time
-    def transforms_gradients(self) -> bool:
+    def changes_gradients(self) -> bool:
         return self.measure_norm
 
 

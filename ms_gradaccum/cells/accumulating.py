@@ -24,7 +24,7 @@ from ms_gradaccum.core.tokens import recognised
 from ms_gradaccum.core.validation import (argument_error, check_cell, check_has_parameters, check_positive_float,
                                           check_positive_int, foreign_optimizer_error)
 from ms_gradaccum.core.window import StateUnderOptimizer, Window
-from ms_gradaccum.diagnostics.contract import ContractCheck
+from ms_gradaccum.diagnostics.contract import LossContract
 
 
 _NAME = "AccumulatingTrainOneStepCell"
@@ -163,7 +163,7 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
         self.engine = MicroBatchGradients(loss_network, spec, overwrite=False, cls_name=_NAME, loss_scale=scale,
                                           statistics=statistics)
         self.engine.bind_targets(self.weights, self.grad_sums)   # the optimizer's parameters, as nn.TrainOneStepCell
-        self.contract = ContractCheck.of(self.engine, loss_network, spec, _NAME)
+        self.contract = LossContract.of(self.engine, loss_network, spec, _NAME)
         # Data parallel: the window's gradient is reduced in its buffers, not into new tensors (see InPlaceAllReduce).
         # AdaSum optimizers keep MindSpore's reducer (their own group and degree).
         self.reduce_in_place = self.reducer_flag and isinstance(self.grad_reducer, nn.DistributedGradReducer) and \
@@ -205,13 +205,13 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
         Tensor per weight, reduced across devices, finite unless the step is skipped anyway) to ``(gradients for the
         optimizer, step)``, `step` being ``True`` or a bool scalar Tensor (``False`` skips this step, e.g. a spike in
         the norm). Default: clipped to the global norm `max_grad_norm` when it is set. A subclass that overrides it
-        also sets :attr:`transforms_gradients` when its transform may leave the gradients as they are."""
+        also sets :attr:`changes_gradients` when its transform may leave the gradients as they are."""
         if self.clip:
             return ops.clip_by_global_norm(grads, self.max_grad_norm), True
         return grads, True
 
     @compile_time
-    def transforms_gradients(self) -> bool:
+    def changes_gradients(self) -> bool:
         """Whether :meth:`transform_gradients` changes the gradients (read when the graph compiles). When it does not,
         the optimizer reads the buffers themselves, which saves a copy of the gradient under data parallel. Default:
         `max_grad_norm` is set, or a subclass overrides the hook."""
@@ -331,7 +331,7 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
     def _step(self, mean):
         """The hooks and the optimizer, on the window's mean gradient (the buffers, divided in place)."""
         stepped = ops.zeros((), mstype.int32)
-        if not self.transforms_gradients:
+        if not self.changes_gradients:
             # The optimizer reads the buffers themselves, each right before its update, where that saves memory.
             # Handing it `mean` would read them all at one point before the first update, and MindSpore copies every
             # read of a Parameter that is read more than once in a graph (TensorMove; under data parallel the

@@ -21,7 +21,7 @@ from mindspore import nn
 
 from ms_gradaccum._mindspore.surroundings import Surroundings, around, child
 from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
-from ms_gradaccum.diagnostics.calls import compile_error_context, inner_cell, probe_first_call, read_after_compile
+from ms_gradaccum.diagnostics.calls import compile_error_context, inner_cell, read_first_call, read_after_compile
 
 NOTHING_AROUND = Surroundings()
 
@@ -81,7 +81,7 @@ class BoundCell:
         self.bind(root)
         object.__setattr__(self, "compiling_from_root", True)
         if inner_cell(root) is self:
-            probe_first_call(self, args)
+            read_first_call(self, args)
 
     def compiled(self) -> None:
         """After a compile :meth:`before_compile` prepared succeeded, before its graph runs: where the batch did not
@@ -109,7 +109,7 @@ class BoundCell:
             return super().__call__(*args, **kwargs)
         if self.surroundings is not NOTHING_AROUND or self.trainable_now() != self.bound_trainable:
             self.bind(None)
-        probe_first_call(self, args)
+        read_first_call(self, args)
         done_waiting(self)
         object.__setattr__(self, "calling_eagerly", True)
         try:

@@ -24,7 +24,7 @@ from ms_gradaccum.core.tokens import recognised
 from ms_gradaccum.core.validation import (check_cell, check_has_parameters, check_positive_int, check_weights,
                                           foreign_optimizer_error, is_batch_statistic, no_trained_weights_error,
                                           weights_required_error)
-from ms_gradaccum.diagnostics.contract import ContractCheck
+from ms_gradaccum.diagnostics.contract import LossContract
 
 _UNROUTED_NAME = "MicroBatchGradAccumulationCell"
 _NAME = "GradAccumulationCell"
@@ -227,7 +227,7 @@ class GradAccumulationCell(BoundCell, DataParallelParts, SpecFields, PrecisionNe
         self.batch_norm_given = batch_norm is not None
         self.engine = MicroBatchGradients(network, spec, overwrite=True, cls_name=_NAME, loss_scale=scale,
                                           statistics=statistics)
-        self.contract = ContractCheck.of(self.engine, network, spec, _NAME)
+        self.contract = LossContract.of(self.engine, network, spec, _NAME)
         self.gradient_of = GradientOf()
         self.hyper_map = ops.HyperMap()
         self.compile_checks = CompileChecks(self)

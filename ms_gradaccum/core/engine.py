@@ -1,11 +1,11 @@
 """The micro-batch engine both cells own: forward and backward once per micro-batch, in turn, gradients added in place.
 
-Contract: ``engine(inputs, shared, constants, layout, scale, count_unit, key) -> accumulated(...)``. `inputs`
+Contract: ``engine(inputs, shared, constants, layout, scale, count_unit, key) -> batch_totals(...)``. `inputs`
 is split along axis 0 into ``micro_size`` micro-batches (`shared` and `constants` passed whole, in their places per
 `layout`); each runs forward and backward once on its loss times ``scale * weight`` (the kind's tally; `count_unit`:
 the rows of the largest micro-batch), adding its gradients into the buffers of the owner's weights
 (:meth:`bind_targets`) as the backward produces them. One loop body, so the graph holds one copy of the network per
-micro-batch shape (two for an uneven split). :func:`accumulated` says what comes back; `key` names the trained weights,
+micro-batch shape (two for an uneven split). :func:`batch_totals` says what comes back; `key` names the trained weights,
 so that PyNative mode compiles again when they change. The engine knows nothing of the diagnostics (``diagnostics/``
 imports it).
 """
@@ -159,7 +159,7 @@ NON_FINITE_CAUSE = ("A loss normalised by a count taken over its own rows is 0/0
 # crosses a jit graph's boundary (2.7 accepts it); not a function of ``**fields``: building the tuple from a dict by
 # name compiled into 276 more subgraphs at any depth (docs/measurements.md, "Before and after #67").
 
-def accumulated(value, count, loss_like, first_two_value, first_two_count) -> tuple:
+def batch_totals(value, count, loss_like, first_two_value, first_two_count) -> tuple:
     """What the engine returns for a batch, float32 Tensors: the sum of the micro-batches' tallied values (the kind's)
     and of their counts; zeros of the network's loss shape (``()`` or ``(1,)``); the value and count of micro-batches 0
     and 1 (the loss contract's in-graph comparison). Read by name with :func:`field`."""
@@ -178,14 +178,13 @@ def _totals(value, count, smallest, finite, first_two_value, first_two_count, ba
             any_finite, calls)
 
 
-ACCUMULATED = tuple(inspect.signature(accumulated).parameters)
-_AT_ACCUMULATED = {name: index for index, name in enumerate(ACCUMULATED)}
+_AT_BATCH = {name: index for index, name in enumerate(inspect.signature(batch_totals).parameters)}
 _AT = {name: index for index, name in enumerate(inspect.signature(_totals).parameters)}
 
 
 def field(values: tuple, name: str):
-    """The field `name` of the engine's output `values` (:func:`accumulated`), in the graph too."""
-    return values[_AT_ACCUMULATED[name]]
+    """The field `name` of the engine's output `values` (:func:`batch_totals`), in the graph too."""
+    return values[_AT_BATCH[name]]
 
 
 class MicroBatchGradients(PrecisionNeutral):
@@ -298,7 +297,7 @@ class MicroBatchGradients(PrecisionNeutral):
                        any_finite=ops.maximum(totals[_AT["any_finite"]], ops.cast(ok, mstype.float32)),
                        calls=ops.maximum(totals[_AT["calls"]], out[3]))
 
-    def _accumulate(self, split, others, stop, totals, scale, rows, count_unit, offset, row_offset):
+    def _run_micro_batches(self, split, others, stop, totals, scale, rows, count_unit, offset, row_offset):
         # A while loop over a Tensor counter compiles once and runs the micro-batches strictly in turn (each one's
         # activations freed before the next). The tallies travel as one float32 vector (docs/measurements.md).
         i = Tensor(0, mstype.int32)
@@ -377,7 +376,7 @@ class MicroBatchGradients(PrecisionNeutral):
         offset, row_offset = 0, 0
         for split, count, rows in split_batch(inputs, self.micro_size):
             # One loop per micro-batch shape: a batch micro_size divides has one, any other two (sizes differ by 1).
-            totals = self._accumulate(split, others, count, totals, scale, rows, count_unit, offset, row_offset)
+            totals = self._run_micro_batches(split, others, count, totals, scale, rows, count_unit, offset, row_offset)
             offset += count
             row_offset += count * rows
         value = totals[_AT["value"]]
@@ -390,7 +389,7 @@ class MicroBatchGradients(PrecisionNeutral):
                                                          totals[_AT["bad_last_row"]], totals[_AT["any_finite"]],
                                                          row_offset))
         loss_like = ops.zeros(recorded_loss_shape(self.scaled_loss.record, value.shape), mstype.float32)
-        return accumulated(value=value, count=totals[_AT["count"]], loss_like=loss_like,
+        return batch_totals(value=value, count=totals[_AT["count"]], loss_like=loss_like,
                         first_two_value=totals[_AT["first_two_value"]], first_two_count=totals[_AT["first_two_count"]])
 
     def bprop(self, inputs, shared, constants, layout, scale, count_unit, key, out, dout):

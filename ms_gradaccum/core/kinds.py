@@ -217,14 +217,14 @@ class IgnoredLabelMean(LossKind):
         return weight, loss * weight, weight
 
 
-def of_arguments(per_token_loss: bool, reduction: str, min_count: float) -> LossKind:
+def kind_of_arguments(per_token_loss: bool, reduction: str, min_count: float) -> LossKind:
     """The built-in kind the public arguments select (checked before: LossSpec.of)."""
     if per_token_loss:
         return TokenMean(min_count, reduction == "sum")
     return RowSum() if reduction == "sum" else RowMean()
 
 
-def arguments_of(kind: LossKind) -> dict:
+def public_arguments(kind: LossKind) -> dict:
     """The public arguments that select a built-in `kind` (for messages and the cells' attributes); a kind of one's own
     has ``per_token_loss`` as it returns a count, a ``'mean'`` reduction and its ``min_count``."""
     reduction = "sum" if isinstance(kind, RowSum) or getattr(kind, "times_rows", False) else "mean"
@@ -255,11 +255,11 @@ class LossSpec:
     # The public arguments of the kind, for messages and the cells' attributes.
     @property
     def per_token_loss(self) -> bool:
-        return arguments_of(self.kind)["per_token_loss"]
+        return public_arguments(self.kind)["per_token_loss"]
 
     @property
     def reduction(self) -> str:
-        return arguments_of(self.kind)["reduction"]
+        return public_arguments(self.kind)["reduction"]
 
     @property
     def min_count(self) -> float:
@@ -287,7 +287,7 @@ class LossSpec:
         per_token_loss = False if per_token_loss is None else check_bool(per_token_loss, "per_token_loss", cls_name)
         reduction = "mean" if reduction is None else check_reduction(reduction, cls_name)
         min_count = check_min_count(0.0 if min_count is None else min_count, per_token_loss, cls_name)
-        return cls(micro_size, of_arguments(per_token_loss, reduction, min_count), declared, shared_inputs,
+        return cls(micro_size, kind_of_arguments(per_token_loss, reduction, min_count), declared, shared_inputs,
                    check_loss)
 
 

@@ -3,11 +3,11 @@
 The cells call them (``cells.binding``); a steady call runs no package Python.
 
 GRAPH_MODE: the compile hook (``cells.compile_hook``) calls the cell's ``before_compile``, which runs
-:func:`probe_first_call` where the batch reaches the cell being compiled unchanged (the package cell, or
+:func:`read_first_call` where the batch reaches the cell being compiled unchanged (the package cell, or
 the train cells ``Model`` builds around it, ``AutoParallel``); where it reaches the cell only inside the graph (a train
 cell of one's own, sink mode), :func:`read_after_compile` reads the graph after the compile, before it runs; in a
 ``jit`` function, and where that reading is undecided, the graph compares values itself on its first run
-(``contract.ContractCheck.construct``). PyNative mode: the cells' own ``__call__`` runs the probe on the first call,
+(``contract.LossContract.construct``). PyNative mode: the cells' own ``__call__`` runs the probe on the first call,
 and again when the inputs' layout changes.
 """
 import numpy as np
@@ -26,7 +26,7 @@ def inner_cell(cell: nn.Cell) -> nn.Cell:
     return cell
 
 
-def probe_first_call(owner: nn.Cell, inputs: tuple) -> None:
+def read_first_call(owner: nn.Cell, inputs: tuple) -> None:
     """The loss contract's probe on `owner`'s `inputs` (diagnostics.contract), where it has not run on inputs of that
     layout; a kind it finds is the one `owner` trains with."""
     engine = child(owner, "engine")
@@ -42,7 +42,7 @@ def read_after_compile(owner: nn.Cell) -> None:
     compile recorded (``core.engine.record_signature``; zeros stand for the values, which the reading never looks at).
     A stop, or a kind other than the one the graph was compiled for, raises: the graph does not run, and every call
     stops the same until the loss or the cell's arguments change. Undecided: the graph compares values on its first
-    run (``contract.ContractCheck.construct``)."""
+    run (``contract.LossContract.construct``)."""
     contract, engine = child(owner, "contract"), child(owner, "engine")
     signature = engine.scaled_loss.record.signature if engine is not None else None
     if contract is None or signature is None or not contract.in_graph:

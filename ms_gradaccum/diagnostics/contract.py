@@ -3,19 +3,19 @@ compared by values only where the graph leaves it undecided.
 
 The cells are exact when the loss is what they train it as: a mean over independent rows (the default), a sum, a mean
 over a count taken from the inputs, ``(loss_sum, count)`` (``per_token_loss=True``), or a recognised loss they count.
-On the first call (and again, in PyNative mode, when the inputs' layout changes) :meth:`ContractCheck.first_call`
+On the first call (and again, in PyNative mode, when the inputs' layout changes) :meth:`LossContract.first_call`
 reads the network's frontend graph (``diagnostics.graph_contract``) before any step: what it shows holds whatever
 values later batches hold, and a kind it shows is the one the cell trains with. Where the graph leaves the contract
 undecided (control flow, a primitive without a rule) and the network draws no random values,
-:meth:`ContractCheck.probe` compares every row's values eagerly: each micro-batch's loss, and each micro-batch with the
-next together, as the kind combines them, to a relative tolerance.
+:meth:`LossContract.compare_values` compares every row's values eagerly (diagnostics.values): each micro-batch's loss,
+and each micro-batch with the next together, as the kind combines them, to a relative tolerance.
 
 Under semi-auto/auto parallel the loss network is read (and, where undecided, run) stand-alone, and a kind MindSpore's
 parallel pass cannot train (it weighs each micro-batch's loss ``1/micro_size``: a row mean only) stops before the
 compile. Where the batch reaches the cell only inside the graph (a train cell of one's own, sink mode), the graph is
-read after the compile, before it runs (:meth:`ContractCheck.read_compiled`); where that leaves the contract undecided,
+read after the compile, before it runs (:meth:`LossContract.read_compiled`); where that leaves the contract undecided,
 and in a ``jit`` function, the graph compares the first two micro-batches' values on its first run
-(:meth:`ContractCheck.construct`).
+(:meth:`LossContract.construct`).
 """
 import dataclasses
 from typing import Optional
@@ -36,24 +36,22 @@ from ms_gradaccum.diagnostics.graph_messages import LossContractError, beyond_pa
 
 @dataclasses.dataclass(frozen=True)
 class Findings:
-    """What the first call's probe found (``check_loss_contract`` reports it).
+    """What the first call found (``check_loss_contract`` reports it).
 
     Attributes:
-        kind (LossKind): The kind the cell trains with (an ``IgnoredLabelMean`` where the probe found one).
-        separable (Optional[bool]): Whether the rows are independent through the float inputs; None where no float
-            input could be probed (integer inputs only, or no gradient reaches them).
-        probed_inputs (tuple): The network's float inputs changed by the coupling probe, by position.
-        ignore_labels (Optional[int]): The input whose -100 labels the loss leaves out (then counted), if any.
-        random (bool): The network draws random values: only the coupling probe ran (draws held the same).
+        kind (LossKind): The kind the cell trains with (the one the graph shows, where it shows one).
+        separable (Optional[bool]): Whether the rows are independent, as read from the graph; None where the graph
+            left it to the value comparison.
+        ignore_labels (Optional[int]): The input whose ignored labels the loss leaves out (then counted), if any.
+        random (bool): The network draws random values (then no values are compared).
         rows_compared (int): The rows whose values were compared (every row of the batch, or 0).
-        batch_rows (int): The rows of the batch probed.
+        batch_rows (int): The rows of the batch read.
         measured (float): The loss on the pair of micro-batches whose comparison was closest to failing.
         predicted (float): The same, combined from the two micro-batches' own losses.
         not_finite (Optional[int]): The first micro-batch whose loss is not finite (nothing compared then).
     """
     kind: object
     separable: Optional[bool]
-    probed_inputs: tuple
     ignore_labels: Optional[int]
     random: bool
     rows_compared: int
@@ -83,10 +81,10 @@ def pair_rows(batch: int, micro_size: int) -> int:
     return sizes[0] + sizes[1] if len(sizes) == 2 else 0
 
 
-class ContractCheck(PrecisionNeutral):
-    """The probe (see the module docstring): :meth:`first_call` runs it eagerly before the first step's graph runs;
-    where it cannot run so, ``construct`` compares the first two micro-batches' values inside the graph, on its first
-    run."""
+class LossContract(PrecisionNeutral):
+    """The loss contract's check (see the module docstring): :meth:`first_call` runs it before the first step's graph
+    runs; where it cannot run so, ``construct`` compares the first two micro-batches' values inside the graph, on its
+    first run."""
 
     def __init__(self, scaled_loss: nn.Cell, network: nn.Cell, micro_size: int, kind, enabled: bool, cls_name: str,
                  declared: bool = False):
@@ -104,15 +102,16 @@ class ContractCheck(PrecisionNeutral):
         self._graph_runs = Unsaved(Parameter(Tensor(0, mstype.int32), name="accu_state.loss_contract_step",
                                              requires_grad=False))
         object.__setattr__(self, "graph_runs", self._graph_runs.parameter)   # read by the graph, not registered
-        # Python state. `probed`: the probe ran (graphs compiled later leave the in-graph comparison out), on inputs of
-        # `layout` (dtypes and ranks). `failed`: the probe cannot run eagerly (the graph compares instead).
-        self.probed = False
+        # Python state. `decided`: the contract was read or compared before a compile (graphs compiled later leave the
+        # in-graph comparison out), on inputs of `layout` (dtypes and ranks). `failed`: the network cannot run
+        # eagerly (the graph compares instead).
+        self.decided = False
         self.layout = None
         self.failed = False
         self.findings = None
 
     @classmethod
-    def of(cls, engine: nn.Cell, network: nn.Cell, spec, cls_name: str) -> "ContractCheck":
+    def of(cls, engine: nn.Cell, network: nn.Cell, spec, cls_name: str) -> "LossContract":
         """The check of a package cell's `engine` (on `network`, the user's loss network) as its `spec` says."""
         return cls(engine.scaled_loss, network, spec.micro_size, spec.kind, spec.check_loss and spec.micro_size > 1,
                    cls_name, spec.declared)
@@ -135,14 +134,14 @@ class ContractCheck(PrecisionNeutral):
 
     @compile_time
     def in_graph(self) -> bool:
-        """Whether the graph being compiled compares values itself: the check is on and the probe has not run (where it
-        can, it has run by the time a graph compiles, or stopped)."""
-        return self.enabled and not self.probed
+        """Whether the graph being compiled compares values itself: the check is on and did not decide on the first call
+        (where it can, it has by the time a graph compiles, or stopped)."""
+        return self.enabled and not self.decided
 
     # --- the first call ---------------------------------------------------------------------------------------------
 
     def first_call(self, engine: nn.Cell, inputs: tuple, refusable: bool = True):
-        """Before the first step's graph compiles or runs on `inputs` (the owner's; the batch): the probe, where the
+        """Before the first step's graph compiles or runs on `inputs` (the owner's; the batch): the check, where the
         check is on, unless it ran on inputs of the same layout: the graph read, the values compared where it leaves
         the contract undecided. Returns the kind the graph showed where it differs from the cell's, else None; raises
         :class:`LossContractError` where the loss does not combine. `refusable` is no longer read (no value is written
@@ -150,14 +149,14 @@ class ContractCheck(PrecisionNeutral):
         if not self.enabled or self.failed:
             return None
         layout = _layout(inputs)
-        if self.probed and layout == self.layout:
+        if self.decided and layout == self.layout:
             return None
         # Semi-auto/auto parallel: the loss network read and run alone, on this process (its errors too).
         with stand_alone():
             try:
                 findings = self.read_graph(engine, inputs)
                 if findings is None:
-                    findings = self.probe(engine, inputs)
+                    findings = self.compare_values(engine, inputs)
             except LossContractError as error:
                 error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
                 raise
@@ -168,7 +167,7 @@ class ContractCheck(PrecisionNeutral):
             raise LossContractError(beyond_parallel_pass(self, findings.kind))
         if findings is None:
             return None
-        self.probed, self.layout, self.findings = True, layout, findings
+        self.decided, self.layout, self.findings = True, layout, findings
         return findings.kind if findings.kind != self.kind else None
 
     def read_compiled(self, engine: nn.Cell, inputs: tuple) -> None:
@@ -185,7 +184,7 @@ class ContractCheck(PrecisionNeutral):
             raise LossContractError(beyond_parallel_pass(self, findings.kind))
         if findings.kind != self.kind:
             raise LossContractError(declare_kind(self, findings.kind))
-        self.probed, self.layout, self.findings = True, layout, findings
+        self.decided, self.layout, self.findings = True, layout, findings
 
     def reachable(self, inputs: tuple) -> bool:
         """Whether the contract can be read on `inputs`: Tensors with data and static shapes (in any parallel mode:
@@ -204,7 +203,7 @@ class ContractCheck(PrecisionNeutral):
     def read_graph(self, engine: nn.Cell, inputs: tuple, public: bool = False) -> Optional[Findings]:
         """The contract read from the loss network's graph (diagnostics.graph_contract), compiled for micro-batch 0's
         inputs: raises :class:`LossContractError` where it shows the loss does not combine, else returns what it
-        found; None where the graph leaves it undecided and the network draws nothing random (the probe's value
+        found; None where the graph leaves it undecided and the network draws nothing random (the value
         comparison decides then)."""
         batch = self._batch(engine, inputs)
         if batch is None:
@@ -220,10 +219,10 @@ class ContractCheck(PrecisionNeutral):
         if kind is None:
             return None
         ignore = reading.count_input if kind.ignores_labels else None
-        return Findings(kind, True, (), ignore, bool(reading.random), 0, batch.batch, read_from_graph=True,
+        return Findings(kind, True, ignore, bool(reading.random), 0, batch.batch, read_from_graph=True,
                         graph=reading)
 
-    def probe(self, engine: nn.Cell, inputs: tuple, public: bool = False) -> Optional[Findings]:
+    def compare_values(self, engine: nn.Cell, inputs: tuple, public: bool = False) -> Optional[Findings]:
         """Where the graph leaves the contract undecided: every row's values compared (diagnostics.values), eagerly,
         where the network draws no random values (a network that draws is accepted as declared: the graph's reading
         stops an undeclared one). Raises :class:`LossContractError` where the loss does not combine, else returns
@@ -233,7 +232,7 @@ class ContractCheck(PrecisionNeutral):
         if batch is None:
             return None
         random, measured, predicted, rows, not_finite = values.compare_rows(self, batch, public)
-        return Findings(self.kind, None, (), None, random, rows, batch.batch, measured, predicted, not_finite)
+        return Findings(self.kind, None, None, random, rows, batch.batch, measured, predicted, not_finite)
 
     def shared_input_hint(self, engine: nn.Cell, inputs: tuple) -> str:
         """The advice to give one split input whole to every micro-batch, where that makes the loss combine
@@ -261,7 +260,7 @@ class ContractCheck(PrecisionNeutral):
         # own message. The graph compares values itself (and raises what it has to).
         self.failed = True
 
-    # --- the graph's comparison, where the probe cannot run -----------------------------------------------------------
+    # --- the graph's comparison, where the first call's check cannot run --------------------------------------------
 
     def _compare(self, value, count, pair_value, pair_count, count_unit, rows):
         """Raises, in the graph, where the network's `value` and `count` on the first two micro-batches together
@@ -277,15 +276,15 @@ class ContractCheck(PrecisionNeutral):
                 f"For '{self.owner_name}', the network's loss does not combine over micro-batches as the cell combines "
                 f"it, so training would not give the full batch's update: on the first step, its loss on the first two "
                 f"micro-batches together ({rows} rows) is {readable(measured[0])}, but {readable(predicted[0])} "
-                f"combined from their own losses. Compared inside the graph, where the probe of the loss's structure "
-                f"cannot run (a train cell of one's own, a jit function, sink mode): a sum over the rows needs "
+                f"combined from their own losses. Compared inside the graph, where the loss network's graph "
+                f"left it undecided or could not be read first (a jit function): a sum over the rows needs "
                 f"reduction='sum'; a normalisation over the batch (a mask, sample weights, a count) needs "
                 f"(loss_sum, count) and per_token_loss=True.")
         return bad
 
     def construct(self, split, others, pair_value, pair_count, count_unit, after):
-        """Where the probe could not run: on the graph's first run, the pass on the first two micro-batches together
-        inside the graph, compared with the loop's tallies (`after` is returned, made to depend on it)."""
+        """Where the first call's check could not run: on the graph's first run, the pass on the first two micro-batches
+        together inside the graph, compared with the loop's tallies (`after` is returned, made to depend on it)."""
         if self.in_graph:
             rows = pair_rows(split[0].shape[0], self.micro_size)
             if rows > 0:

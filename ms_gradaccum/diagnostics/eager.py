@@ -102,7 +102,7 @@ def runs_on(network: nn.Cell, args: tuple) -> bool:
 def run_eagerly(network: nn.Cell, calls: list, before_each=None) -> list:
     """The one place the package runs the user's network outside a graph (the loss contract's check, and the error
     decoration's tries): its forward pass on each argument tuple of `calls`, eagerly (PyNative mode, no gradient
-    unless `network` takes one itself, as the probe's ``WeightedGradients``), each output read at once (PyNative runs
+    unless `network` takes one itself), each output read at once (PyNative runs
     asynchronously: an error surfaces when a result is read). BatchNorm's moving statistics and what cells' own
     ``__call__`` set are put back after, so the passes leave the network as they found it. `before_each`, if given, is
     called before each call (``HeldDraws.repeat``)."""

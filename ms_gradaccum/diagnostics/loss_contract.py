@@ -11,7 +11,7 @@ from ms_gradaccum.core.kinds import LossKind, LossSpec
 from ms_gradaccum.core.microbatch import check_tensor_inputs, micro_batch_rows
 from ms_gradaccum.core.tokens import recognised
 from ms_gradaccum.core.validation import argument_error, check_cell
-from ms_gradaccum.diagnostics.contract import ContractCheck
+from ms_gradaccum.diagnostics.contract import LossContract
 
 _PUBLIC = "check_loss_contract"
 
@@ -25,9 +25,8 @@ class LossContractReport:
             loss counted, ``CountedMean``; a mean over labels other than an ignore value, ``IgnoredLabelMean``; over
             another count taken from one input, ``InputCountMean``; a sum, ``RowSum``).
         rows (tuple): The rows of each micro-batch of the batch.
-        separable (Optional[bool]): Whether the rows are independent (read from the graph, or through the float
-            inputs by the gradient probe); None where neither could tell.
-        probed_inputs (tuple): The float inputs the gradient probe changed, by position (none where the graph read it).
+        separable (Optional[bool]): Whether the rows are independent, as read from the graph; None where the graph
+            left it to the value comparison.
         ignore_labels (Optional[int]): The input whose ignored labels the loss leaves out, if any (then counted).
         random (bool): The network draws random values.
         rows_compared (int): The rows whose values were compared: every row of the batch, or 0 (the graph decided, a
@@ -42,7 +41,6 @@ class LossContractReport:
     kind: LossKind
     rows: tuple
     separable: Optional[bool]
-    probed_inputs: tuple
     ignore_labels: Optional[int]
     random: bool
     rows_compared: int
@@ -70,13 +68,13 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
     Args:
         loss_net (Cell): The loss network, as given to the cells.
         inputs (tuple): One batch, as the cells are called with it (Tensors; axis 0 is split).
-        micro_size (int): Micro-batches per batch (at least 2: the probe compares micro-batches).
+        micro_size (int): Micro-batches per batch (at least 2: the contract is how micro-batches combine).
         kind (LossKind, optional): What the loss is, as the cells' `kind`; None: as the cells decide without it (a row
-            mean, a recognised token mean counted, or a mean over valid labels the probe finds). Default: ``None``.
+            mean, a recognised token mean counted, or the kind the graph shows). Default: ``None``.
         shared_inputs (Union[int, tuple[int]]): Inputs every micro-batch receives whole. Default: ``()``.
 
     Returns:
-        LossContractReport: what the probe found, and the values compared.
+        LossContractReport: what the graph showed, and the values compared where it left the contract undecided.
 
     Raises:
         TypeError, ValueError: On bad arguments. ValueError: where the loss does not combine (the cause and the route
@@ -91,19 +89,19 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
     spec = LossSpec.of(_PUBLIC, micro_size, shared_inputs=shared_inputs, kind=kind)
     if spec.micro_size < 2:
         raise ValueError(f"For '{_PUBLIC}', the argument 'micro_size' must be at least 2, but got {micro_size}: the "
-                         f"probe compares micro-batches.")
+                         f"contract is how micro-batches combine.")
     spec = recognised(spec, loss_net, True)
     engine = MicroBatchGradients(loss_net, spec, overwrite=True, cls_name=_PUBLIC, loss_scale=None)
     engine.bind_targets((), ())
-    check = ContractCheck.of(engine, loss_net, spec, _PUBLIC)
+    check = LossContract.of(engine, loss_net, spec, _PUBLIC)
     found = check.read_graph(engine, inputs, public=True)
     if found is None:
-        found = check.probe(engine, inputs, public=True)
+        found = check.compare_values(engine, inputs, public=True)
     if found is None:
         raise ValueError(
-            f"For '{_PUBLIC}', the probe cannot run on these inputs: it runs stand-alone or data parallel, on Tensors "
-            f"with data and static shapes, and on a batch of at least two micro-batches' rows (micro_size="
-            f"{spec.micro_size}). Use check_equivalence to train both ways instead.")
+            f"For '{_PUBLIC}', the loss contract cannot be read on these inputs: it is read stand-alone or data "
+            f"parallel, on Tensors with data and static shapes, and on a batch of at least two micro-batches' rows "
+            f"(micro_size={spec.micro_size}). Use check_equivalence to train both ways instead.")
     rows = micro_batch_rows(found.batch_rows, spec.micro_size)
     if found.not_finite is not None:
         first = sum(rows[:found.not_finite])
@@ -113,8 +111,8 @@ def check_loss_contract(loss_net: nn.Cell, inputs, micro_size: int, kind: Option
             f"{NON_FINITE_CAUSE}: return (loss_sum, count) from the network and pass kind=ms_gradaccum.TokenMean().")
     graph = found.graph
     if graph is None:
-        return LossContractReport(found.kind, tuple(rows), found.separable, found.probed_inputs, found.ignore_labels,
+        return LossContractReport(found.kind, tuple(rows), found.separable, found.ignore_labels,
                                   found.random, found.rows_compared, found.measured, found.predicted)
     ignore = graph.count_input if found.kind.ignores_labels else None
-    return LossContractReport(found.kind, tuple(rows), True, (), ignore, bool(graph.random), 0, float("nan"),
+    return LossContractReport(found.kind, tuple(rows), True, ignore, bool(graph.random), 0, float("nan"),
                               float("nan"), True, graph.count_input, graph.random, graph.nodes)

@@ -4,7 +4,7 @@ loss contract"), and the advice to give one input whole to every micro-batch.
 Each micro-batch's loss, and each micro-batch with the next together, are combined as the kind combines them and
 compared to a relative tolerance (:func:`compare_rows`). Only where the network draws no random values: a network that
 draws is accepted as declared (the graph's reading stops an undeclared one). Functions of a
-:class:`~ms_gradaccum.diagnostics.contract.ContractCheck` (`check`), whose engine copy they run.
+:class:`~ms_gradaccum.diagnostics.contract.LossContract` (`check`), whose engine copy they run.
 """
 
 import numpy as np
