@@ -73,7 +73,7 @@ def _tensor_value(tensor) -> Value:
     return Value(tuple(int(d) for d in tensor.dims), tensor.data_type in _FLOATS)
 
 
-def _attribute_value(attribute):
+def attribute_value(attribute):
     """A constant's Python value: a number, a bool, None, a tuple of these, or a NumPy array (a tensor constant)."""
     kind = attribute.type
     if kind in (_A.INT8, _A.INT16, _A.INT32, _A.INT64, _A.UINT8, _A.UINT16, _A.UINT32, _A.UINT64, _A.BOOL):
@@ -87,7 +87,7 @@ def _attribute_value(attribute):
     if kind == _A.NONE:
         return None
     if kind in (_A.TUPLE, _A.LIST):
-        return tuple(_attribute_value(item) for item in attribute.values)
+        return tuple(attribute_value(item) for item in attribute.values)
     if kind == _A.TENSORS and len(attribute.tensors) == 1:
         tensor = attribute.tensors[0]
         dtype = _NUMPY.get(tensor.data_type)
@@ -97,7 +97,7 @@ def _attribute_value(attribute):
     return NOT_A_VALUE
 
 
-def _output_value(node) -> Value:
+def output_value(node) -> Value:
     for attribute in node.attribute:
         if attribute.name == "shape":
             return _shape_value(attribute)
@@ -118,7 +118,7 @@ def _parse(proto) -> Graph:
     constants, nodes = {}, []
     for node in graph.node:
         if node.op_type == "Constant":
-            constants[node.output[0]] = _attribute_value(node.attribute[0]) if node.attribute else NOT_A_VALUE
+            constants[node.output[0]] = attribute_value(node.attribute[0]) if node.attribute else NOT_A_VALUE
             continue
         # "REF::MatMul:5": a reference to the primitive "MatMul:5" of the model's table; anything else applies a
         # value the graph computes (a branch chosen by Switch, a subgraph): CALL.
@@ -126,7 +126,7 @@ def _parse(proto) -> Graph:
         op = target.rsplit(":", 1)[0] if target in primitives else CALL
         # A call's first input is what it calls (a Switch's output: the branch taken).
         called = (target,) if op == CALL and target else ()
-        nodes.append(Node(node.output[0], op, called + tuple(node.input), _output_value(node), node.domain))
+        nodes.append(Node(node.output[0], op, called + tuple(node.input), output_value(node), node.domain))
     values = {item.name: _tensor_value(item.tensor[0]) for item in graph.input if item.tensor}
     return Graph(tuple(item.name for item in graph.input), values,
                  frozenset(item.name for item in graph.parameter), tuple(nodes), constants,

@@ -6,7 +6,8 @@
   calling ``mindspore.ops.zeros_like`` (MindFormers' loss cells) compile inside GradAccumulationCell's nested
   gradient; installed when such a cell compiles, for no other network.
 - :data:`GRAPH_COMPILE`: the graph executor's ``compile`` is wrapped, to run hooks around each compile (the loss
-  contract's eager pass) and to let the package add context to an error it recognises as its own.
+  contract read from the compiled step, and the compile once more where it shows another kind) and to let the package
+  add context to an error it recognises as its own.
 
 Checked 2.7.0 and 2.10.0.
 """
@@ -123,10 +124,14 @@ class GraphCompile(Patch):
 
         def compile_with_hooks(*args, **kwargs):
             try:
-                with contextlib.ExitStack() as around:
-                    for hook in (hooks if args else ()):
-                        around.enter_context(hook(args[0], args[1:]))
-                    return original(*args, **kwargs)
+                for _ in range(_COMPILES):
+                    with contextlib.ExitStack() as around:
+                        answers = [around.enter_context(hook(args[0], args[1:])) for hook in (hooks if args else ())]
+                        result = original(*args, **kwargs)
+                    if not any(getattr(answer, "again", False) for answer in answers):
+                        break
+                    forget_compile(args[0], result[0])
+                return result
             except Exception as error:
                 for decorate in (() if getattr(error, "ms_gradaccum_context", False) else decorators):
                     context = decorate(error, args)
@@ -151,7 +156,9 @@ class GraphCompile(Patch):
         self._original = None
 
     def around(self, hook: Callable) -> None:
-        """Enters ``hook(cell, args)`` (a context manager) around each compile; registered once."""
+        """Enters ``hook(cell, args)`` (a context manager) around each compile; registered once. Where what it yields
+        has ``again`` set once it exits, the graph just compiled is dropped and the cell compiled once more (the hook
+        entered again)."""
         if hook not in self.hooks:
             self.hooks.append(hook)
 
@@ -159,6 +166,16 @@ class GraphCompile(Patch):
         """``decorator(error, args)`` returns what to add to a compile error, or None; registered once."""
         if decorator not in self.decorators:
             self.decorators.append(decorator)
+
+
+# A compile, and one more where a hook asks for it (the loss contract found a kind other than the compiled one).
+_COMPILES = 2
+
+
+def forget_compile(cell, phase: str) -> None:
+    """Drops the graph of `cell` compiled for `phase`, so that the next compile of that phase builds it anew."""
+    cell.compile_cache.discard(phase)
+    CELL_GRAPH_EXECUTOR.del_net_res(cell, {phase})
 
 
 def with_context(error: Exception, context: str) -> None:

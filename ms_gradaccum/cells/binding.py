@@ -21,7 +21,8 @@ from mindspore import nn
 
 from ms_gradaccum._mindspore.surroundings import Surroundings, around, child
 from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
-from ms_gradaccum.diagnostics.calls import compile_error_context, inner_cell, read_first_call, read_after_compile
+from ms_gradaccum.diagnostics.calls import (before_step_compile, compile_error_context, read_after_compile,
+                                            read_first_call)
 
 NOTHING_AROUND = Surroundings()
 
@@ -76,18 +77,17 @@ class BoundCell:
         return result
 
     def before_compile(self, root: nn.Cell, args: tuple) -> None:
-        """Before a compile of `root` on `args` (``cells.compile_hook``): binds from `root`, and where the batch reaches
-        this cell unchanged, runs the loss contract's probe on it."""
+        """Before a compile of `root` on `args` (``cells.compile_hook``): binds from `root`, and prepares the loss
+        contract's reading (diagnostics.calls.before_step_compile)."""
         self.bind(root)
         object.__setattr__(self, "compiling_from_root", True)
-        if inner_cell(root) is self:
-            read_first_call(self, args)
+        before_step_compile(self, root, args)
 
-    def compiled(self) -> None:
-        """After a compile :meth:`before_compile` prepared succeeded, before its graph runs: where the batch did not
-        reach this cell beforehand (a train cell of one's own, sink mode), the loss contract read from the shapes and
-        dtypes the compile recorded (diagnostics.calls.read_after_compile); raises where it stops."""
-        read_after_compile(self)
+    def compiled(self, root: nn.Cell, args: tuple) -> bool:
+        """After a compile :meth:`before_compile` prepared succeeded, before its graph runs: the loss contract read from
+        the compiled step's graph (diagnostics.calls.read_after_compile); raises where it stops. Returns whether the
+        step must compile again (a kind other than the compiled one)."""
+        return read_after_compile(self, root, args)
 
     def after_compile(self) -> None:
         """After the compile :meth:`before_compile` prepared (``cells.compile_hook``), whether it succeeded or not."""

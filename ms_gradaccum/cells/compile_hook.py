@@ -8,8 +8,10 @@ the one ``Model`` builds, or the package cell itself), and MindSpore calls nothi
   built around it (its ``set_grad``) and on its ``rebind()``; while any cell waits, the graph executor's ``compile``
   runs :func:`around_compile` (``_mindspore.patches.GRAPH_COMPILE``);
 - use: before a compile whose root holds a waiting cell in its tree, ``cell.before_compile(root, args)`` (it binds from
-  that root, and runs the loss contract's probe on its first compile); an error of that compile gets the context of
-  the cell whose engine it laid out (``cell.compile_error_context``);
+  that root, and prepares the loss contract's reading); after it, before the graph runs, ``cell.compiled(root, args)``
+  reads the contract from the compiled step's graph, and where the cell must train with another kind the root compiles
+  once more; an error of that compile gets the context of the cell whose engine it laid out
+  (``cell.compile_error_context``);
 - undo: after the compile, the cells it held stop waiting; once none waits (or each was dropped before a compile), the
   executor's ``compile`` is MindSpore's again. A cell compiled only inside a ``jit`` function (a functional loop), which
   this executor never compiles, stops waiting when that compile runs its compile checks (``compiled_elsewhere``).
@@ -66,11 +68,13 @@ def laid_out(owner: nn.Cell) -> bool:
 @contextlib.contextmanager
 def around_compile(root: nn.Cell, args: tuple):
     """Around a compile of `root` on `args` while package cells wait (a GRAPH_COMPILE hook): each waiting cell that
-    `root`'s tree holds is prepared first; once none waits, the hook is removed."""
+    `root`'s tree holds is prepared first, and read after (its ``compiled``); where one must compile again, the answer
+    yielded says so (``again``) and the cells keep waiting for that compile; once none waits, the hook is removed."""
+    answer = Answer()
     cells = waiting()
     if not cells or ms.get_context("mode") != ms.GRAPH_MODE:
         _release_if_none_waits()
-        yield
+        yield answer
         return
     in_tree = {id(cell) for _, cell in root.cells_and_names()}   # one walk of the tree, whatever number of cells wait
     held = [owner for owner in cells if id(owner) in in_tree]
@@ -81,15 +85,24 @@ def around_compile(root: nn.Cell, args: tuple):
     try:
         for owner in held:
             owner.before_compile(root, args)
-        yield
+        yield answer
     finally:
         for owner in held:
             owner.after_compile()
-    for owner in held:   # compiled, before its graph runs: what the batch could not be read for beforehand
-        owner.compiled()
+    for owner in held:   # compiled, before its graph runs: the loss contract read from the step's graph
+        answer.again = owner.compiled(root, args) or answer.again
+    if answer.again:
+        return
     for owner in held:   # compiled: no longer waiting (a failed compile, or a stop, leaves them waiting for the next)
         _WAITING.discard(owner)
     _release_if_none_waits()
+
+
+class Answer:
+    """What a compile hook says after the compile: whether the root must compile again (GRAPH_COMPILE does)."""
+
+    def __init__(self):
+        self.again = False
 
 
 def _error_context(error: Exception, args: tuple):

@@ -18,6 +18,7 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.patches import ZEROS_LIKE
+from ms_gradaccum._mindspore.step_graph import COUNT_SUM, FIRST_SUM, LOSS_SUM
 from ms_gradaccum.core.base import PrecisionNeutral
 from ms_gradaccum.core.buffers import add_gradients, dtypes_match, kept_gradients, zero_buffers
 from ms_gradaccum.core.kinds import LossSpec
@@ -124,21 +125,24 @@ class ScaledLoss(PrecisionNeutral):
                 shapes += (item.shape,)
             check_loss_output(self.owner_name, self.returns_count, True, shapes)
             check_loss_dtype(self.owner_name, (out[0].dtype,))
-            loss = ops.cast(out[0], mstype.float32)
-            count = ops.cast(out[1], mstype.float32).sum() if len(out) > 1 else Tensor(1.0, mstype.float32)
+            # Marked sums: the loss contract finds the network's outputs in the step's graph (_mindspore.step_graph).
+            scalar = FIRST_SUM(ops.cast(out[0], mstype.float32))
+            count = COUNT_SUM(ops.cast(out[1], mstype.float32)) if len(out) > 1 else \
+                Tensor(1.0, mstype.float32)
+            shape = out[0].shape
         else:
             check_loss_output(self.owner_name, self.returns_count, False, (out.shape,))
             check_loss_dtype(self.owner_name, (out.dtype,))
-            loss = ops.cast(out, mstype.float32)
+            scalar = LOSS_SUM(ops.cast(out, mstype.float32))
             count = Tensor(1.0, mstype.float32)
+            shape = out.shape
         if self.counts_in_network:
             # Read after the network's writes (MindSpore orders a Parameter's reads and writes as written). A forward
             # pass that did not call the recognised cells counts its rows, as a row mean.
-            calls = ops.depend(self.counted_calls * 1.0, loss)
-            count = ops.select(calls > 0, ops.depend(self.counted * 1.0, loss), Tensor(rows, mstype.float32))
+            calls = ops.depend(self.counted_calls * 1.0, scalar)
+            count = ops.select(calls > 0, ops.depend(self.counted * 1.0, scalar), Tensor(rows, mstype.float32))
         # A single-element loss of shape (1,) is tallied as a scalar; its shape goes back to the owner (loss_like).
-        scalar = loss.sum()
-        scalar = ops.depend(scalar, record_loss_shape(self.record, loss.shape))
+        scalar = ops.depend(scalar, record_loss_shape(self.record, shape))
         return scalar, count, calls
 
     def construct(self, inputs, scale, rows, count_unit):

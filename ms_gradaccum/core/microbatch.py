@@ -8,6 +8,7 @@ from typing import Tuple
 from mindspore import ops, Tensor
 
 from ms_gradaccum._mindspore.graph import primexpr
+from ms_gradaccum._mindspore.step_graph import GATHERS
 
 def plan(batch: int, micro_size: int) -> Tuple[Tuple[int, int], ...]:
     """``((count, rows), ...)``: micro-batches as even as possible, ``batch = sum(count * rows)``; one entry when
@@ -200,9 +201,16 @@ def _part_of_tensor(start, count, rows, x):
     return part.reshape((count, rows) + x.shape[1:])
 
 
-@_row_of.register("Tensor", "Tensor")
-def _row_of_tensor(i, x):
-    return _GATHER(x, i, 0)
+@_row_of.register("Tensor", "Number", "Tensor")
+def _row_of_tensor(i, k, x):
+    # Split input k's Gather carries its index: the loss contract finds the micro-batch in the compiled step's graph
+    # (_mindspore.step_graph).
+    return GATHERS[k](x, i, 0) if k < len(GATHERS) else _GATHER(x, i, 0)
+
+
+@primexpr
+def _indices(count: int) -> tuple:
+    return tuple(range(count))
 
 
 def split_batch(inputs: tuple, micro_size: int) -> Tuple:
@@ -219,7 +227,7 @@ def split_batch(inputs: tuple, micro_size: int) -> Tuple:
 
 def micro_batch(split: tuple, i) -> Tuple:
     """Micro-batch ``i`` (a Tensor counter, so the loop over micro-batches is not unrolled) of every input."""
-    return _MAP(ops.partial(_row_of, i), split)
+    return _MAP(ops.partial(_row_of, i), _indices(len(split)), split)
 
 
 def micro_batch_rows(batch: int, micro_size: int) -> list:

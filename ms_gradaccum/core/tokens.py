@@ -18,6 +18,7 @@ from mindspore import nn, ops, Parameter, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, with_child_replaced
+from ms_gradaccum._mindspore.step_graph import GUARD
 from ms_gradaccum.core.kinds import LossKind, LossSpec
 from ms_gradaccum.core.token_sum import is_token_mean, token_sum_loss
 
@@ -88,7 +89,7 @@ class CountingLoss(nn.Cell):
         loss_sum, count = self.summed(*args)
         count = ops.stop_gradient(count)
         # The quotient in the count's shape and the loss's dtype, as the cell's own mean (MindFormers': shape (1,)).
-        loss = loss_sum / ops.cast(ops.select(count > 0, count, ops.ones_like(count)), loss_sum.dtype)
+        loss = loss_sum / ops.cast(GUARD(count > 0, count, ops.ones_like(count)), loss_sum.dtype)
         loss = ops.depend(loss, ops.assign_add(self.counted, ops.cast(count, mstype.float32).sum()))
         return ops.depend(loss, ops.assign_add(self.calls, Tensor(1.0, mstype.float32)))
 

@@ -24,6 +24,7 @@ The contract of every rule, up front:
 import dataclasses
 
 from ms_gradaccum._mindspore.frontend import CALL, NOT_A_VALUE, Graph
+from ms_gradaccum._mindspore.step_graph import GUARD_OP
 from ms_gradaccum.diagnostics import batch_rules as _r
 from ms_gradaccum.diagnostics.batch_axis import (Context, Coupled, Fixed, Many, Reduced, Rows, Unknown, elementwise)
 
@@ -91,6 +92,8 @@ RULES = dict(
     L1LossExt=_r._loss_primitive(2), MSELossExt=_r._loss_primitive(2), KLDivLoss=_r._loss_primitive(2),
     CTCLossV2=_r._ctc,
     Load=_r._first, Depend=_r._first, Identity=_r._first, StopGradient=_r._detached,
+    # The package's own: a recognised loss's counting copy divides by its count, guarded against 0 (core.tokens).
+    **{GUARD_OP: lambda ctx: ctx.states[1]},
 )
 
 

@@ -15,7 +15,7 @@ from mindspore import nn, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import in_function_gradient
-from ms_gradaccum._mindspore.surroundings import PASS_THROUGH, child
+from ms_gradaccum._mindspore.surroundings import PASS_THROUGH, child, parallel_pass_in_force
 from ms_gradaccum.core.microbatch import check_tensor_inputs
 
 def inner_cell(cell: nn.Cell) -> nn.Cell:
@@ -27,8 +27,8 @@ def inner_cell(cell: nn.Cell) -> nn.Cell:
 
 
 def read_first_call(owner: nn.Cell, inputs: tuple) -> None:
-    """The loss contract's probe on `owner`'s `inputs` (diagnostics.contract), where it has not run on inputs of that
-    layout; a kind it finds is the one `owner` trains with."""
+    """The loss contract's check on `owner`'s `inputs` before a compile or an eager call (diagnostics.contract), where
+    it has not run on inputs of that layout; a kind it finds is the one `owner` trains with."""
     engine = child(owner, "engine")
     check_tensor_inputs(engine.owner_name, inputs)
     kind = child(owner, "contract").first_call(engine, inputs, refusable=not in_function_gradient(owner))
@@ -36,20 +36,48 @@ def read_first_call(owner: nn.Cell, inputs: tuple) -> None:
         owner.use_kind(kind)
 
 
-def read_after_compile(owner: nn.Cell) -> None:
-    """After a compile holding `owner` that its batch did not reach beforehand (a train cell of one's own, sink mode),
-    before the graph runs: the loss contract read from the loss network's graph for the inputs' shapes and dtypes that
-    compile recorded (``core.engine.record_signature``; zeros stand for the values, which the reading never looks at).
-    A stop, or a kind other than the one the graph was compiled for, raises: the graph does not run, and every call
-    stops the same until the loss or the cell's arguments change. Undecided: the graph compares values on its first
-    run (``contract.LossContract.construct``)."""
-    contract, engine = child(owner, "contract"), child(owner, "engine")
-    signature = engine.scaled_loss.record.signature if engine is not None else None
-    if contract is None or signature is None or not contract.in_graph:
+def before_step_compile(owner: nn.Cell, root: nn.Cell, args: tuple) -> None:
+    """Before a GRAPH_MODE compile of `root` on `args` holding `owner`: the contract is read from the compiled step's
+    graph after it (:func:`read_after_compile`); under semi-auto/auto parallel, whose pass rewrites the step's graph,
+    from the network's own graph before it, where the batch reaches `owner` unchanged."""
+    contract = child(owner, "contract")
+    if inner_cell(root) is owner:
+        check_tensor_inputs(child(owner, "engine").owner_name, args)
+    if contract is None:
         return
-    inputs = tuple(Tensor(np.zeros(x[0], mstype.dtype_to_nptype(x[1])), x[1]) if _is_tensor_signature(x) else x
-                   for x in signature)
-    contract.read_compiled(engine, inputs)
+    if not parallel_pass_in_force():
+        contract.expect_step()
+    elif inner_cell(root) is owner:
+        read_first_call(owner, args)
+
+
+def read_after_compile(owner: nn.Cell, root: nn.Cell, args: tuple) -> bool:
+    """After a compile of `root` on `args` holding `owner`, before its graph runs: the loss contract read from the
+    step's graph (``contract.LossContract.read_step``); a kind it shows is the one `owner` trains with. Under
+    semi-auto/auto parallel, where the batch did not reach `owner` beforehand (a train cell of one's own, sink mode),
+    the network's own graph for the shapes and dtypes the compile recorded (``core.engine.record_signature``; zeros
+    stand for the values, which the reading never looks at): a stop, or a kind other than the compiled one, raises.
+    Returns whether the step must compile again."""
+    contract, engine = child(owner, "contract"), child(owner, "engine")
+    if contract is None or engine is None:
+        return False
+    signature = engine.scaled_loss.record.signature
+    reached = inner_cell(root) is owner
+    inputs = args if reached else None if signature is None else _zeros_of(signature)
+    if contract.reads_step:
+        kind, again = contract.read_step(engine, root, root.compile_phase, inputs, reached)
+        if kind is not None:
+            owner.use_kind(kind)
+        return again
+    if inputs is not None and not reached and contract.in_graph:
+        contract.read_compiled(engine, inputs)
+    return False
+
+
+def _zeros_of(signature: tuple) -> tuple:
+    """Inputs of the recorded shapes and dtypes (values the reading never looks at)."""
+    return tuple(Tensor(np.zeros(x[0], mstype.dtype_to_nptype(x[1])), x[1]) if _is_tensor_signature(x) else x
+                 for x in signature)
 
 
 def _is_tensor_signature(item) -> bool:

@@ -25,9 +25,10 @@ from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import compile_time, primexpr
 from ms_gradaccum._mindspore.patches import with_context
+from ms_gradaccum._mindspore.step_graph import loss_graphs
 from ms_gradaccum._mindspore.surroundings import parallel_pass_in_force, stand_alone
 from ms_gradaccum.core.base import PrecisionNeutral, Unsaved
-from ms_gradaccum.core.microbatch import assemble, micro_batch_rows
+from ms_gradaccum.core.microbatch import SPLIT, assemble, micro_batch_rows
 from ms_gradaccum.core.validation import computes_in_float16, readable
 from ms_gradaccum.diagnostics import graph_contract, values
 from ms_gradaccum.diagnostics.eager import BatchRows, runs_on
@@ -102,12 +103,14 @@ class LossContract(PrecisionNeutral):
         self._graph_runs = Unsaved(Parameter(Tensor(0, mstype.int32), name="accu_state.loss_contract_step",
                                              requires_grad=False))
         object.__setattr__(self, "graph_runs", self._graph_runs.parameter)   # read by the graph, not registered
-        # Python state. `decided`: the contract was read or compared before a compile (graphs compiled later leave the
-        # in-graph comparison out), on inputs of `layout` (dtypes and ranks). `failed`: the network cannot run
-        # eagerly (the graph compares instead).
+        # Python state. `decided`: the contract was read or compared before a graph ran (graphs compiled later leave
+        # the in-graph comparison out), on inputs of `layout` (dtypes and ranks). `failed`: it cannot be decided before
+        # the graph runs (the graph compares instead). `reads_step`: the compile under way is read after it
+        # (:meth:`read_step`), so it leaves the in-graph comparison out.
         self.decided = False
         self.layout = None
         self.failed = False
+        self.reads_step = False
         self.findings = None
 
     @classmethod
@@ -134,9 +137,9 @@ class LossContract(PrecisionNeutral):
 
     @compile_time
     def in_graph(self) -> bool:
-        """Whether the graph being compiled compares values itself: the check is on and did not decide on the first call
-        (where it can, it has by the time a graph compiles, or stopped)."""
-        return self.enabled and not self.decided
+        """Whether the graph being compiled compares values itself: the check is on, did not decide before the compile
+        and will not read the compiled step's graph (:meth:`read_step`)."""
+        return self.enabled and not self.decided and not self.reads_step
 
     # --- the first call ---------------------------------------------------------------------------------------------
 
@@ -169,6 +172,63 @@ class LossContract(PrecisionNeutral):
             return None
         self.decided, self.layout, self.findings = True, layout, findings
         return findings.kind if findings.kind != self.kind else None
+
+    # --- after the step's compile, before its graph runs ------------------------------------------------------------
+
+    def expect_step(self) -> bool:
+        """Before a compile of the step: the contract will be read from the compiled step's graph (:meth:`read_step`),
+        where it is on and undecided; True where it will."""
+        self.reads_step = self.enabled and not self.decided and not self.failed
+        return self.reads_step
+
+    def read_step(self, engine: nn.Cell, root: nn.Cell, phase: str, inputs: Optional[tuple], comparable: bool):
+        """After the compile :meth:`expect_step` prepared, before its graph runs: the contract read from the network's
+        forward in the step's own graph (``_mindspore.step_graph``; the network is compiled apart only where the step
+        cannot show it: no marked loop body, a constant proportional to the rows to confirm). `inputs`: the batch, or
+        Tensors of its shapes and dtypes (`comparable` False: their values are not the batch's), None where neither is
+        known. Returns ``(kind, again)``: the kind the graph showed where it differs from the cell's (trained from the
+        next compile), and whether the step must compile again (with that kind, or with the graph's own comparison
+        where nothing decided before it runs). Raises :class:`LossContractError` where the loss does not combine."""
+        self.reads_step = False
+        batch = self._batch(engine, inputs) if inputs is not None and self.reachable(inputs) else None
+        if batch is None and inputs is not None and self.reachable(inputs):
+            return None, False   # fewer than two micro-batches: nothing to combine
+        try:
+            findings = None if batch is None else self._step_findings(engine, root, phase, inputs, batch)
+            if findings is None and comparable:
+                findings = self.compare_values(engine, inputs)
+        except LossContractError as error:
+            if comparable:
+                error.args = (error.args[0] + self.shared_input_hint(engine, inputs),) + error.args[1:]
+            raise
+        except Exception as error:  # pylint: disable=broad-except
+            if comparable:
+                self._on_error(error, engine, inputs)
+            findings = None
+        if findings is None:
+            self.failed = True   # the graph compares the first two micro-batches' values on its first run
+            return None, True
+        self.decided, self.layout, self.findings = True, _layout(inputs), findings
+        kind = findings.kind if findings.kind != self.kind else None
+        return kind, kind is not None
+
+    def _step_findings(self, engine: nn.Cell, root: nn.Cell, phase: str, inputs: tuple,
+                       batch: BatchRows) -> Optional[Findings]:
+        """What the step's graph shows (the network's own, compiled apart, where it shows nothing); None where
+        undecided and nothing random is drawn."""
+        layout = engine.scaled_loss.record.layout
+        reading = None
+        if layout is not None:
+            try:
+                bodies = loss_graphs(root, phase, frozenset(parameter.name for parameter in root.get_parameters()),
+                                     type(self._user_network).__name__)
+            except Exception:  # pylint: disable=broad-except
+                bodies = []   # not the network's: the network's own graph is read instead
+            positions = {index: position for position, (role, index) in enumerate(layout[2]) if role == SPLIT}
+            reading = graph_contract.read_step(bodies, positions) if bodies else None
+        if reading is None:
+            return self.read_graph(engine, inputs)
+        return self._found(reading, batch.batch, False)
 
     def read_compiled(self, engine: nn.Cell, inputs: tuple) -> None:
         """After a compile the batch did not reach beforehand, before its graph runs (diagnostics.calls): the graph
@@ -215,12 +275,15 @@ class LossContract(PrecisionNeutral):
                                           tuple(batch.positions), sizes[0], other)
         except Exception:  # pylint: disable=broad-except
             return None   # the network's own error: the eager passes report it with the split's context
+        return self._found(reading, batch.batch, public)
+
+    def _found(self, reading, batch: int, public: bool) -> Optional[Findings]:
+        """The findings of a graph's `reading` on a batch of `batch` rows (what it decides: graph_messages.decided)."""
         kind = decided(self, reading, public)
         if kind is None:
             return None
         ignore = reading.count_input if kind.ignores_labels else None
-        return Findings(kind, True, ignore, bool(reading.random), 0, batch.batch, read_from_graph=True,
-                        graph=reading)
+        return Findings(kind, True, ignore, bool(reading.random), 0, batch, read_from_graph=True, graph=reading)
 
     def compare_values(self, engine: nn.Cell, inputs: tuple, public: bool = False) -> Optional[Findings]:
         """Where the graph leaves the contract undecided: every row's values compared (diagnostics.values), eagerly,

@@ -100,16 +100,16 @@ def _with_rows(divisor: float, other: float, rows: int, other_rows: int) -> bool
     return abs(other * rows - divisor * other_rows) <= scale or abs(other * other_rows - divisor * rows) <= scale
 
 
-def _read_state(network: nn.Cell, args: tuple, split_positions: tuple, rows: int, literals=frozenset()):
-    """``(reading, graph)`` of `network` on `args`, or ``(why, None)`` where the graph cannot be read."""
+def _forward(network: nn.Cell, args: tuple, split_positions: tuple) -> tuple:
+    """``(graph, split)`` of `network`'s frontend graph on `args` (`split`: the graph's split inputs' names -> their
+    positions), or ``(None, why)`` where the graph cannot be read."""
     graph = forward_graph(network, args)
     if graph is None:
-        return "MindSpore gave no graph", None
+        return None, "MindSpore gave no graph"
     tensors = [position for position, x in enumerate(args) if isinstance(x, Tensor)]
     if len(tensors) != len(graph.inputs):
-        return "the graph's inputs are not the network's Tensor arguments one for one", None
-    split = {name: position for name, position in zip(graph.inputs, tensors) if position in split_positions}
-    return analyse(graph, split, rows, literals), graph
+        return None, "the graph's inputs are not the network's Tensor arguments one for one"
+    return graph, {name: position for name, position in zip(graph.inputs, tensors) if position in split_positions}
 
 
 def read(network: nn.Cell, rows_of, split_positions: tuple, rows: int, other_rows: int) -> GraphReading:
@@ -117,19 +117,43 @@ def read(network: nn.Cell, rows_of, split_positions: tuple, rows: int, other_row
     `split_positions` carry the rows along axis 0). Where a constant proportional to the rows makes a sum a mean (or
     a mean a sum), the graph on ``rows_of(other_rows)`` confirms it changes with them. Errors of the network's compile
     propagate."""
-    reading, graph = _read_state(network, rows_of(rows), split_positions, rows)
+    graph, split = _forward(network, rows_of(rows), split_positions)
     if graph is None:
-        return GraphReading(unread=reading)
+        return GraphReading(unread=split)
+    other = None
+    if other_rows and other_rows != rows:
+        other = lambda: _forward(network, rows_of(other_rows), split_positions) + (other_rows,)  # noqa: E731
+    return _confirmed(graph, split, rows, other)
+
+
+def read_step(bodies: list, positions: dict) -> Optional[GraphReading]:
+    """The contract from the network's forward in the compiled step's loop bodies (``_mindspore.step_graph``; the
+    larger micro-batches first), `positions` mapping a split input's index to the network's input position. None
+    where a constant proportional to the rows needs the graph at another row count and the step holds only one."""
+    def split_of(body):
+        return {name: positions[index] for name, index in body.split.items()}
+    first = bodies[0]
+    reading = analyse(first.graph, split_of(first), first.rows)
+    if _divisions(reading.state) and len(bodies) < 2:
+        return None
+    other = (lambda: (bodies[1].graph, split_of(bodies[1]), bodies[1].rows)) if len(bodies) > 1 else None
+    return _confirmed(first.graph, split_of(first), first.rows, other, reading)
+
+
+def _confirmed(graph, split: dict, rows: int, other, reading=None) -> GraphReading:
+    """What `graph` (compiled for `rows`) shows; a division that makes a sum a mean (or a mean a sum) counts only
+    where ``other()``, the same graph at another row count ``(graph, split, rows)``, shows it change with the rows."""
+    reading = analyse(graph, split, rows) if reading is None else reading
     divisions = _divisions(reading.state)
-    if divisions and other_rows and other_rows != rows:
-        other, other_graph = _read_state(network, rows_of(other_rows), split_positions, other_rows)
+    if divisions and other is not None:
+        other_graph, other_split, other_rows = other()
         if other_graph is None or len(other_graph.nodes) != len(graph.nodes):
             return GraphReading(unread="the graph differs at another row count")
-        seen = dict(_divisions(other.state))
+        seen = dict(_divisions(analyse(other_graph, other_split, other_rows).state))
         literals = frozenset(index for index, divisor in divisions
                              if not _with_rows(divisor, seen.get(index, 0.0), rows, other_rows))
         if literals:
-            reading, graph = _read_state(network, rows_of(rows), split_positions, rows, literals)
+            reading = analyse(graph, split, rows, literals)
     return _finding(reading, len(graph.nodes))
 
 
