@@ -3,14 +3,13 @@ for the losses zoos use that are not a row mean: a sum over rows or a mean times
 read from the graph), and a detector's ``B * numerator / max(S, 1)`` with ``S`` summed over the whole batch
 (per_token_loss=True, min_count=1.0, reduction='sum'). Each against the plain full batch, with negative controls."""
 import contextlib
-import re
 
 import numpy as np
 import mindspore as ms
 import pytest
 from mindspore import nn, ops, Tensor
 
-from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell, IgnoredLabelMean
+from ms_gradaccum import AccumulatingTrainOneStepCell, GradAccumulationCell
 from ms_gradaccum.diagnostics import eager as _eager
 from helpers import (assert_params_close, assert_params_moved, ce, classification_batches, make_mlp, make_optimizer,
                      params_of, train_steps, update_ratios)
