@@ -7,7 +7,7 @@ import mindspore as ms
 import pytest
 from mindspore import nn, ops, Tensor
 
-from ms_gradaccum import GradAccumulationCell, IgnoredLabelMean, RowSum, check_loss_contract
+from ms_gradaccum import GradAccumulationCell, IgnoredLabelMean, RowMean, RowSum, check_loss_contract
 from ms_gradaccum.core.input_count import InputCountMean
 from helpers import assert_params_moved, params_of
 
@@ -368,6 +368,46 @@ def test_graph_contract_coupled_losses_stop_on_step_1_naming_the_primitive(make,
     initial, expected, _ = run(make, batches, 0)
     _, control, _ = run(make, batches, K, check_loss=False)
     assert off(control, expected, initial) > 1e-3
+
+
+class RowMSE(Embedder):
+    def construct(self, x, y):
+        return ((self.net(x) - y[:, :4]) ** 2).mean()
+
+
+class MeanByShape(Embedder):
+    """A mean written as a sum over a number taken from the shape: a constant in the graph, which the graph at another
+    row count shows to change with the rows."""
+
+    def construct(self, x, y):
+        return ((self.net(x) - y[:, :4]) ** 2).sum() / (x.shape[0] * 4)
+
+
+@pytest.mark.lowest
+def test_graph_contract_read_from_the_compiled_step_without_compiling_the_network_apart(monkeypatch):
+    # GRAPH_MODE: the contract is read from the step's own compiled graph (no compile of the network apart); a kind
+    # other than the compiled one compiles the step once more. Control: a mean over a constant taken from the shape
+    # needs the graph at another row count: with one micro-batch shape, the network is compiled apart at two (the spy
+    # counts); with two shapes (an uneven split), the step's second loop body serves.
+    from ms_gradaccum._mindspore import patches   # pylint: disable=import-outside-toplevel
+    from ms_gradaccum.diagnostics import graph_contract   # pylint: disable=import-outside-toplevel
+    apart, again = [], []
+    forward, forget = graph_contract.forward_graph, patches.forget_compile
+    monkeypatch.setattr(graph_contract, "forward_graph", lambda *args: apart.append(1) or forward(*args))
+    monkeypatch.setattr(patches, "forget_compile", lambda *args: again.append(1) or forget(*args))
+    float_batch = float_batches(1)
+    for make, batches, kind, compiled_again, compiled_apart in (
+            (RowMSE, float_batch, RowMean(), 0, 0),
+            (IgnoredMean, token_batches(1), IgnoredLabelMean(1), 1, 0),
+            (NoisySum, float_batch, RowSum(), 1, 0),
+            (TwoHeads, token_batches(1), IgnoredLabelMean(1), 1, 0),
+            (MeanByShape, float_batch, RowMean(), 0, 2),
+            (MeanByShape, [tuple(a[:15] for a in float_batch[0])], RowMean(), 0, 0)):
+        apart.clear()
+        again.clear()
+        _, _, cell = run(make, batches)
+        assert cell.kind == kind, (make, cell.kind)
+        assert (len(again), len(apart)) == (compiled_again, compiled_apart), (make, len(again), len(apart))
 
 
 def test_graph_contract_reading_is_reported_and_needs_no_eager_pass(monkeypatch):

@@ -15,6 +15,7 @@ an uneven split), the network's forward as a ``frontend.Graph``: the nodes the m
 marked micro-batches, weights and constants. Checked 2.7.0 and 2.10.0 (``tests/test_graph_contract.py``).
 """
 import dataclasses
+import gc
 from typing import Optional
 
 from mindspore import ops
@@ -30,7 +31,7 @@ except ImportError:   # before 2.9
 MICRO_BATCH = "ms_gradaccum_micro_batch"
 LOSS_OUTPUT = "ms_gradaccum_loss_output"
 COUNT_GUARD = "ms_gradaccum_count_guard"
-GUARD_OP = "ms_gradaccum.CountGuard"   # the op the reading names it (diagnostics.batch_table has its rule)
+GUARD_OP = "GradAccumCountGuard"   # the op the reading names it (diagnostics.batch_table has its rule)
 # One Gather per split input (more split inputs than this are taken unmarked: the graph is then read apart).
 MARKED_INPUTS = 32
 GATHERS = tuple(ops.Gather().add_prim_attr(MICRO_BATCH, k) for k in range(MARKED_INPUTS))
@@ -104,7 +105,18 @@ def loss_graphs(root, phase: str, weights: frozenset, network: str) -> list:
     data = _EXECUTOR._get_func_graph_proto(root, phase, "mind_ir")   # pylint: disable=protected-access
     if not data:
         return []
-    data = bytes(data)
+    # The parse allocates many small objects: the collector, run over everything a compile leaves, would cost more
+    # than the parse itself (0.1 s at 2 layers of the benchmark LM); it is held off until the parse is done.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _loss_graphs(bytes(data), weights, network)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _loss_graphs(data: bytes, weights: frozenset, network: str) -> list:
     marks, primitives, graphs = {}, set(), []
     for number, start, end in _fields(data, 0, len(data)):
         if number == _PRIMITIVES:
@@ -122,7 +134,7 @@ def loss_graphs(root, phase: str, weights: frozenset, network: str) -> list:
     found = []
     for start, end in graphs:
         if any(data.find(needle, start, end) >= 0 for needle in needles):
-            body = _body(mind_ir_pb2.GraphProto.FromString(data[start:end]), primitives, marks, weights, network)
+            body = _body(data, start, end, primitives, marks, weights, network)
             if body is not None:
                 found.append(body)
     # A constant is written once, in the first subgraph that uses it (another body, or a graph not parsed).
@@ -170,53 +182,77 @@ def _scope(scope: str, network: str) -> str:
     return scope
 
 
-def _body(proto, primitives: set, marks: dict, weights: frozenset, network: str) -> Optional[LossGraph]:
+def _records(data: bytes, start: int, end: int) -> tuple:
+    """The name of the GraphProto in ``data[start:end]`` and its nodes, each ``(inputs, output, op_type, scope, begin,
+    stop)``: the strings read at the wire level, the rest (attributes) left for the nodes the reading keeps."""
+    name, records = "", []
+    for number, begin, stop in _fields(data, start, end):
+        if number == 2:   # GraphProto.name
+            name = data[begin:stop].decode()
+        elif number == 1:   # GraphProto.node: NodeProto.input 1, output 2, op_type 4, domain 7
+            inputs, strings = [], {}
+            for field, first, last in _fields(data, begin, stop):
+                if field == 1:
+                    inputs.append(data[first:last].decode())
+                elif field in (2, 4, 7):
+                    strings[field] = data[first:last].decode()
+            records.append((tuple(inputs), strings.get(2, ""), strings.get(4, ""), strings.get(7, ""), begin, stop))
+    return name, records
+
+
+def _body(data: bytes, start: int, end: int, primitives: set, marks: dict, weights: frozenset,
+          network: str) -> Optional[LossGraph]:
     """The marked forward of one subgraph, or None where its marks are not the engine's whole set."""
-    nodes, constants, inputs, outputs = {}, {}, {}, {}
-    for node in proto.node:
-        if node.op_type == "Constant":
-            constants[node.output[0]] = attribute_value(node.attribute[0]) if node.attribute else NOT_A_VALUE
+    name, records = _records(data, start, end)
+    kinds, constants, inputs, outputs = {}, {}, {}, {}
+    for record in records:
+        inputs_of, output, op_type = record[:3]
+        if op_type == "Constant":
+            node = mind_ir_pb2.NodeProto.FromString(data[record[4]:record[5]])
+            constants[output] = attribute_value(node.attribute[0]) if node.attribute else NOT_A_VALUE
             continue
-        target = node.op_type[5:] if node.op_type.startswith("REF::") else None
+        target = op_type[5:] if op_type.startswith("REF::") else None
         mark = marks.get(target)
         if mark is None or mark[0] == COUNT_GUARD:
             # "REF::MatMul:5": the primitive "MatMul:5" of the model's table; anything else calls a computed value.
             op = GUARD_OP if mark else target.rsplit(":", 1)[0] if target in primitives else CALL
-            called = (target,) if op == CALL and target else ()
-            nodes[node.output[0]] = Node(node.output[0], op, called + tuple(node.input), output_value(node),
-                                         _scope(node.domain, network))
+            kinds[output] = (op, ((target,) if op == CALL and target else ()) + inputs_of, record)
         elif mark[0] == MICRO_BATCH:
-            inputs[node.output[0]] = (mark[1], output_value(node))
+            node = mind_ir_pb2.NodeProto.FromString(data[record[4]:record[5]])
+            inputs[output] = (mark[1], output_value(node))
         else:
-            outputs[mark[1]] = node.input[0]
+            outputs[mark[1]] = inputs_of[0]
     if not inputs or not outputs or ("loss" in outputs) == ("first" in outputs):
         return None
     ends = (outputs["loss"],) if "loss" in outputs else tuple(outputs[role] for role in ("first", "count")
                                                              if role in outputs)
-    kept = _ancestors(ends, nodes)
-    order = [node for name, node in nodes.items() if name in kept]   # MindIR lists a graph's nodes in order
+    kept = _ancestors(ends, {output: kind[1] for output, kind in kinds.items()})
+    order = []
+    for output, (op, node_inputs, record) in kinds.items():   # MindIR lists a graph's nodes in order
+        if output in kept:
+            node = mind_ir_pb2.NodeProto.FromString(data[record[4]:record[5]])
+            order.append(Node(output, op, node_inputs, output_value(node), _scope(record[3], network)))
     output = ends[0]
     if "first" in outputs:
         order.append(Node(_OUTPUTS, "MakeTuple", ends, Value(None), ""))
         output = _OUTPUTS
-    prefix = proto.name + ":"
-    held = frozenset(name for name in kept if name.startswith(prefix) and name[len(prefix):] in weights)
+    prefix = name + ":"
+    held = frozenset(item for item in kept if item.startswith(prefix) and item[len(prefix):] in weights)
     rows = {value.shape[0] for _, value in inputs.values() if isinstance(value.shape, tuple) and value.shape}
     if len(rows) != 1:
         return None
-    graph = Graph(tuple(inputs), {name: value for name, (_, value) in inputs.items()}, held, tuple(order),
+    graph = Graph(tuple(inputs), {item: value for item, (_, value) in inputs.items()}, held, tuple(order),
                   constants, output)
-    return LossGraph(graph, {name: index for name, (index, _) in inputs.items()}, rows.pop())
+    return LossGraph(graph, {item: index for item, (index, _) in inputs.items()}, rows.pop())
 
 
-def _ancestors(ends: tuple, nodes: dict) -> set:
+def _ancestors(ends: tuple, inputs: dict) -> set:
+    """The names `ends` depend on (`inputs`: each node's output -> its inputs)."""
     kept, stack = set(), list(ends)
     while stack:
         name = stack.pop()
         if name in kept:
             continue
         kept.add(name)
-        node = nodes.get(name)
-        if node is not None:
-            stack.extend(node.inputs)
+        stack.extend(inputs.get(name, ()))
     return kept

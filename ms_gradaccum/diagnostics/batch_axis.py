@@ -172,7 +172,7 @@ def elementwise(ctx: Context, step=None):
 # A constant this small added to a sum over the rows is an epsilon against 0/0: the sum's kind is kept (exact to
 # EPSILON over the count).
 EPSILON = 1e-5
-LINEAR = {"Add", "Sub", "AddExt", "SubExt", "Neg", "Mul", "Muls", "Div", "RealDiv", "DivMod", "Maximum", "Cast",
+LINEAR = {"Add", "Sub", "AddExt", "SubExt", "Neg", "Mul", "Muls", "Div", "Divs", "RealDiv", "DivMod", "Maximum", "Cast",
           "Depend", "Identity", "StopGradient", "Reshape", "ExpandDims", "Squeeze", "Flatten", "Adds", "Subs"}
 
 
@@ -189,7 +189,7 @@ def _on_reduced(ctx: Context, reduced: list, rows: bool):
         return ctx.coupled("a product of two reductions over the rows")
     if op in ("Div", "RealDiv") and isinstance(states[1], Reduced):
         return _divided(ctx, states[0], states[1])
-    if op in ("Div", "RealDiv") and isinstance(states[0], Reduced) and len(reduced) == 1:
+    if op in ("Div", "RealDiv", "Divs") and isinstance(states[0], Reduced) and len(reduced) == 1:
         return _scaled(ctx, states[0], _scalar(ctx.constants[1]) if len(ctx.constants) > 1 else None)
     if op in ("Mul", "Muls") and len(reduced) == 1 and len(states) == 2:
         index = 0 if isinstance(states[0], Reduced) else 1
