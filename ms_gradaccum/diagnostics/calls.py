@@ -65,7 +65,7 @@ def read_after_compile(owner: nn.Cell, root: nn.Cell, args: tuple) -> bool:
     reached = inner_cell(root) is owner
     inputs = args if reached else None if signature is None else _zeros_of(signature)
     if contract.reads_step:
-        kind, again = contract.read_step(engine, root, root.compile_phase, inputs, reached)
+        kind, again = contract.read_step(engine, root, root.current_phase, inputs, reached)
         if kind is not None:
             owner.use_kind(kind)
         return again
