@@ -22,6 +22,10 @@ configuration in a process of its own, REPEATS times round-robin, the minimum co
 The gap between "package" and "floor" is what the package's own graph code costs to compile; "floor" against "plain"
 is what the mechanism costs (docs/measurements.md, "Compile time", "Where it goes").
 
+The loss contract's reading is also timed on its own inside the package's compile (the step's graph read after it; in
+a checkout given with --before that reads the network's own graph before the step, that compile): what it costs,
+without the difference of two noisy compiles.
+
 Compile times on a shared machine spread by 0.3-0.5 s between identical runs; the graph's size does not. So each
 configuration is also compiled once more with MindSpore's IR dumped after type inference only (``MS_DEV_SAVE_GRAPHS``,
 ``MS_DEV_DUMP_IR_PASSES``, into a temporary folder, about 10 MB, deleted after), and the probe prints how many
@@ -66,17 +70,42 @@ def build(kind: str, model: str):
     return cell, (Tensor(x), Tensor(y))
 
 
+def _timed_reading() -> list:
+    """Wraps the loss contract's reading (the step's graph read after its compile, and any compile of the network apart)
+    to add its process CPU seconds to the list returned; `-1` where this checkout has no such reading."""
+    try:
+        from ms_gradaccum.diagnostics import contract, graph_contract
+    except ImportError:
+        return [-1.0]
+    spent = [0.0]
+
+    def timed(function):
+        def wrapper(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[0] += time.process_time() - start
+        return wrapper
+    if hasattr(contract.LossContract, "read_step"):
+        contract.LossContract.read_step = timed(contract.LossContract.read_step)
+    else:   # a checkout that reads the network's own graph before the step
+        graph_contract.forward_graph = timed(graph_contract.forward_graph)
+    return spent
+
+
 def measure(kind: str, model: str) -> None:
-    """In a process of its own: compile, print the seconds, and the loss of a second step (after one update: the floor
-    must train as the package does)."""
+    """In a process of its own: compile, print the seconds (the loss contract's reading among them, timed on its own),
+    and the loss of a second step (after one update: the floor must train as the package does)."""
     sys.path.insert(0, HERE)
+    reading = _timed_reading() if kind.split("@")[0] == "package" else [0.0]
     cell, inputs = build(kind, model)
     start, start_wall = time.process_time(), time.perf_counter()
     cell.compile(*inputs)
     seconds, wall = time.process_time() - start, time.perf_counter() - start_wall
     first = float(cell(*inputs).asnumpy().reshape(-1)[0])
     second = float(cell(*inputs).asnumpy().reshape(-1)[0])
-    print(f"PROBE {seconds:.3f} {second:.8f} {first:.8f} {wall:.3f}", flush=True)
+    print(f"PROBE {seconds:.3f} {second:.8f} {first:.8f} {wall:.3f} {reading[0]:.3f}", flush=True)
 
 
 def run_measure(kind: str, model: str, env: dict) -> subprocess.CompletedProcess:
@@ -134,7 +163,7 @@ def main(argv=None) -> int:
             KINDS.append(kind + BEFORE)
             envs[kind + BEFORE] = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [
                 os.path.abspath(args.before), os.environ.get("PYTHONPATH")])))
-    best, best_wall, losses = {}, {}, {}
+    best, best_wall, losses, reading = {}, {}, {}, {}
     for _ in range(args.repeats):
         for model in args.models:
             for kind in KINDS:
@@ -147,6 +176,7 @@ def main(argv=None) -> int:
                 seconds, wall = float(found[0][1]), float(found[0][4])
                 best[model, kind] = min(best.get((model, kind), seconds), seconds)
                 best_wall[model, kind] = min(best_wall.get((model, kind), wall), wall)
+                reading.setdefault((model, kind), []).append(float(found[0][5]) if len(found[0]) > 5 else -1.0)
                 losses[model, kind] = (float(found[0][2]), float(found[0][3]))
     print_ratios(best, args.models)
     print(f"(minimum of {args.repeats}, compile of the train step, batch {BATCH}, micro_size {MICRO_SIZE}; losses "
@@ -156,6 +186,16 @@ def main(argv=None) -> int:
     print_ratios(best_wall, args.models)
     print("(the same compiles in wall seconds, minimum of each; on CPU MindSpore's runtime threads spin while the "
           "first step's eager check runs, which counts twice in CPU seconds)")
+    read = [kind for kind in KINDS if kind.startswith("package") and "unchecked" not in kind]
+    print("\n| model | " + " | ".join(f"the reading, {kind}" for kind in read) + f" |\n|---|{'---|' * len(read)}")
+    for model in args.models:
+        cells = []
+        for kind in read:
+            median = sorted(reading[model, kind])[len(reading[model, kind]) // 2]
+            cells.append(f"{median:.2f} s ({median / best[model, 'plain']:.2f}x)" if median >= 0 else "not timed")
+        print(f"| {model} | {' | '.join(cells)} |")
+    print("(timed inside the package's compile: the step's graph read after it, and any compile of the network apart; "
+          "a compile of the step again for another kind is not part of it)")
     print("\n" + table_header())
     for model in args.models:
         sizes = {kind: inferred_size(kind, model, envs[kind]) for kind in KINDS}

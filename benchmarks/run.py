@@ -327,7 +327,7 @@ def compile_table(rows: List[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     names = {"plain": "plain nn.TrainOneStepCell", "accumulate": "GradAccumulationCell in nn.TrainOneStepCell",
              "accumulate_unchecked": "GradAccumulationCell(..., check_loss=False) in nn.TrainOneStepCell",
-             "accumulate_in_graph": "GradAccumulationCell in a subclass of nn.TrainOneStepCell (check in the graph)",
+             "accumulate_in_graph": "GradAccumulationCell in a train cell of one's own",
              "accumulate_steps": "AccumulatingTrainOneStepCell(..., 1, micro_size=K)",
              "floor": "floor (the mechanism alone, not the product)"}
     for row in rows:
@@ -379,7 +379,7 @@ def compile_targets(rows: List[dict]) -> List[str]:
                        f"{checked['steady_step_s'] / unchecked['steady_step_s']:.2f}x")
             in_graph = get("accumulate_in_graph", 4, 16)
             if in_graph:
-                out.append(f"{model}: the check inside the graph (a train cell of one's own): compile "
+                out.append(f"{model}: a train cell of one's own (the contract read from the compiled step): compile "
                            f"{in_graph['compile_s']:.2f} s = {in_graph['compile_s'] / unchecked['compile_s']:.2f}x "
                            f"check_loss=False's (for the record)")
         k2, k64 = get("accumulate", 2, 64), get("accumulate", 64, 64)

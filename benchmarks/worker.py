@@ -10,8 +10,8 @@ Usage: python worker.py FRAMEWORK MODEL KIND MICRO_SIZE BATCH STEPS
              with N MindSpore nn.TransformerEncoderLayer layers: what compile time is measured on)
   KIND       plain (nn.TrainOneStepCell on BATCH) | accumulate (GradAccumulationCell, MICRO_SIZE)
              | accumulate_unchecked (the same with check_loss=False: the loss contract check's cost)
-             | accumulate_in_graph (the same inside a train cell of one's own, a subclass of nn.TrainOneStepCell:
-             the loss contract is then checked inside the graph, not eagerly before it)
+             | accumulate_in_graph (the same inside a train cell of one's own, a subclass of nn.TrainOneStepCell,
+             which the batch reaches before the package cell: the loss contract read from the compiled step)
              | mindspore (nn.GradAccumulationCell inside nn.TrainOneStepCell) | steps
              (AccumulatingTrainOneStepCell, MICRO_SIZE calls of BATCH / MICRO_SIZE per optimizer step)
              | accumulate_steps (AccumulatingTrainOneStepCell(loss_net, opt, 1, micro_size=MICRO_SIZE))
@@ -265,7 +265,7 @@ def mindspore_step(model: str, kind: str, micro_size: int, x, y):
         if kind == "accumulate_in_graph":
             class OwnTrainCell(nn.TrainOneStepCell):
                 """A train cell of one's own: GradAccumulationCell cannot see its inputs before the graph compiles (a
-                subclass may change them), so it checks the loss contract inside the graph."""
+                subclass may change them); the loss contract is read from the compiled step's graph."""
             train_cell = OwnTrainCell
         cell = train_cell(loss_net, optimizer, sens=sens)
         if model == "convbn":

@@ -400,7 +400,7 @@ def test_tokens_recognised_losses_are_exact_whatever_the_later_labels(name, cell
 @pytest.mark.parametrize("cell", sorted(RECOGNISING))
 def test_tokens_recognised_loss_with_a_micro_batch_without_valid_labels_is_exact(cell):
     # A micro-batch whose labels are all ignore_index: its mean is 0/0, the full batch's is finite. Counted, it adds
-    # nothing and the step equals the full batch's. Control: declared a row mean, the first call's probe stops it
+    # nothing and the step equals the full batch's. Control: declared a row mean, the loss contract stops it
     # before any weight changes (a mean over valid labels told it is a row mean), and with the check off its NaN
     # stops the step, naming the micro-batch.
     batches = _later_ignored_batches(empty=True)

@@ -59,7 +59,7 @@ class compile_time:  # pylint: disable=invalid-name
     MindSpore's graph parser compiles a ``property``'s body as graph code, but reads any other descriptor through
     Python's ``getattr`` (checked in 2.10.0): ``self.x`` in ``construct`` is evaluated in Python when the graph
     compiles. For what is only known then (the communication set up, the parallel context's batch axis, whether the
-    loss contract's probe ran); a value known when the cell is built or bound is a plain attribute instead. The method
+    loss contract was read); a value known when the cell is built or bound is a plain attribute instead. The method
     reads, never creates or changes anything, and must not raise (the parser would report a missing attribute):
     errors go through :class:`CompileChecks`.
     """

@@ -1,4 +1,4 @@
-"""Random draws held fixed across passes (the loss contract's probe, diagnostics.contract): two passes of a network on
+"""Random draws held fixed across passes (the value comparison, diagnostics.contract): two passes of a network on
 inputs of one shape draw the same values, whatever random ops it holds, and the process's random state is as it was
 after.
 

@@ -19,7 +19,7 @@ from ms_gradaccum.core.batch_norm import check_batch_norm, freeze, moving_statis
 from ms_gradaccum.core.buffers import GradientBuffers
 from ms_gradaccum.core.engine import MicroBatchGradients, field, warn_where_inexact
 from ms_gradaccum.core.kinds import LossKind, LossSpec, RowMean, SpecFields, declares_kind
-from ms_gradaccum.core.loss_scale import SCALE_EXPECTED, LiveScale, LossScale, check_scale_value
+from ms_gradaccum.core.loss_scale import SCALE_MANAGERS, all_finite, scale_of
 from ms_gradaccum.core.tokens import recognised
 from ms_gradaccum.core.validation import (argument_error, check_cell, check_has_parameters, check_positive_float,
                                           check_positive_int, foreign_optimizer_error)
@@ -28,7 +28,6 @@ from ms_gradaccum.diagnostics.contract import LossContract
 
 
 _NAME = "AccumulatingTrainOneStepCell"
-SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)   # what scale_sense may be
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +121,7 @@ class AccumulatingTrainOneStepCell(BoundCell, DataParallelParts, SpecFields, nn.
             steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch", _NAME)
         if max_grad_norm is not None:
             max_grad_norm = check_positive_float(max_grad_norm, "max_grad_norm", _NAME, "None or a positive float")
-        scale, manager = scale_of(scale_sense, loss_network, options.scale_update_cells)
+        scale, manager = scale_of(scale_sense, loss_network, options.scale_update_cells, _NAME)
         check_has_parameters(loss_network, "network", _NAME)
         foreign = foreign_optimizer_error(_NAME, loss_network, optimizer)
         if foreign is not None:
@@ -436,52 +435,3 @@ def _merged(spec: LossSpec, given: dict) -> LossSpec:
         if spec.kind.counts_in_network and given.get("kind") is None:
             changes["kind"] = RowMean()   # declared a row mean here: the recognised cells are no longer counted
     return dataclasses.replace(spec, **changes)
-
-
-# --- The loss scale as nn.TrainOneStepWithLossScaleCell takes it (`scale_sense`), the clip norm, the overflow check ---
-
-_SCALE_FIX = ("Pass one: AccumulatingTrainOneStepCell(..., scale_sense=nn.DynamicLossScaleUpdateCell(2**12, 2, 1000)) "
-              "or scale_sense=1024.0.")
-
-
-class NoScale(LossScale):
-    """No loss scaling (without ``scale_sense``): 1.0, warned about for float16 networks."""
-
-    def check(self) -> None:
-        self.warn_if_float16()
-
-    def construct(self):
-        return Tensor(1.0, mstype.float32)
-
-
-def scale_of(scale_sense, network: nn.Cell, managers: tuple) -> tuple:
-    """``(scale, update cell or None)`` from what ``nn.TrainOneStepWithLossScaleCell`` takes as `scale_sense` (an
-    update cell being one of `managers`); the scale lives in a Parameter named ``scale_sense`` (checkpoints carry
-    it)."""
-    if scale_sense is None:
-        return NoScale(_NAME, network, _SCALE_FIX), None
-    if isinstance(scale_sense, nn.Cell):
-        if not isinstance(scale_sense, managers):
-            expected = SCALE_EXPECTED["scale_sense"] if managers == SCALE_MANAGERS else (
-                f"a positive finite float, a scalar Tensor or one of {', '.join(m.__name__ for m in managers)}")
-            raise TypeError(argument_error(_NAME, "scale_sense", expected, scale_sense))
-        value = check_scale_value(scale_sense.get_loss_scale(), "scale_sense", _NAME)
-        manager = scale_sense
-    else:
-        value = check_scale_value(scale_sense, "scale_sense", _NAME)
-        manager = None
-    parameter = Parameter(Tensor(value, mstype.float32), name="scale_sense", requires_grad=False)
-    return LiveScale(parameter, _NAME, network, _SCALE_FIX), manager
-
-
-_all_finite = ops.MultitypeFuncGraph("_all_finite")
-
-
-@_all_finite.register("Tensor")
-def _all_finite_tensor(grad):
-    return ops.isfinite(grad).all()
-
-
-def all_finite(hyper_map, grads) -> Tensor:
-    """True when every gradient is finite: a portable overflow check (CPU too), on the float32 sums."""
-    return ops.stack(hyper_map(_all_finite, grads)).all()

@@ -89,9 +89,13 @@ class BoundCell:
         step must compile again (a kind other than the compiled one)."""
         return read_after_compile(self, root, args)
 
-    def after_compile(self) -> None:
-        """After the compile :meth:`before_compile` prepared (``cells.compile_hook``), whether it succeeded or not."""
+    def after_compile(self, failed: bool = False) -> None:
+        """After the compile :meth:`before_compile` prepared (``cells.compile_hook``), whether it succeeded or not
+        (`failed`: then nothing will read its graph, and a graph compiled elsewhere compares values itself)."""
         object.__setattr__(self, "compiling_from_root", False)
+        contract = child(self, "contract")
+        if failed and contract is not None:
+            contract.reads_step = False
 
     def compiled_elsewhere(self) -> None:
         """Called by the compile checks: a graph compiling the cell that the compile hook did not prepare (a ``jit``
@@ -102,7 +106,7 @@ class BoundCell:
 
     def __call__(self, *args, **kwargs):
         """In PyNative mode, where nothing compiles: binds the cell where the trained weights changed (from its
-        arguments: nothing hands over a root), runs the loss contract's probe where it has not run on inputs of that
+        arguments: nothing hands over a root), reads the loss contract where it has not run on inputs of that
         layout (its first call, mostly), and the cell stops waiting for a compile; then the call, with
         :attr:`calling_eagerly` set. Graph mode: ``nn.Cell.__call__`` alone."""
         if ms.get_context("mode") != ms.PYNATIVE_MODE:

@@ -82,13 +82,15 @@ def around_compile(root: nn.Cell, args: tuple):
         engine = child(owner, "engine")
         if engine is not None:
             engine.scaled_loss.record.layout = None
+    failed = True
     try:
         for owner in held:
             owner.before_compile(root, args)
         yield answer
+        failed = False
     finally:
         for owner in held:
-            owner.after_compile()
+            owner.after_compile(failed)
     for owner in held:   # compiled, before its graph runs: the loss contract read from the step's graph
         answer.again = owner.compiled(root, args) or answer.again
     if answer.again:

@@ -161,7 +161,7 @@ NON_FINITE_CAUSE = ("A loss normalised by a count taken over its own rows is 0/0
 # Named fields of a tuple in the graph, their order written once, in the function that builds the tuple (positional
 # and keyword arguments in its signature). Not a NamedTuple: MindSpore 2.10 fails to run a graph where a named tuple
 # crosses a jit graph's boundary (2.7 accepts it); not a function of ``**fields``: building the tuple from a dict by
-# name compiled into 276 more subgraphs at any depth (docs/measurements.md, "Before and after #67").
+# name compiled into 276 more subgraphs at any depth (docs/measurements.md, "Why the code is shaped so").
 
 def batch_totals(value, count, loss_like, first_two_value, first_two_count) -> tuple:
     """What the engine returns for a batch, float32 Tensors: the sum of the micro-batches' tallied values (the kind's)
@@ -346,7 +346,7 @@ class MicroBatchGradients(PrecisionNeutral):
                 f"weight per micro-batch gives the full batch's update. Return (loss_sum, count) from the network and "
                 f"pass per_token_loss=True (ms_gradaccum.token_sum_loss gives each loss its sum and count), or, if "
                 f"every micro-batch holds the same number of valid labels for each call, pass per_token_loss=False "
-                f"and check_loss=False (the first call's probe stops a mean over valid labels declared a row mean).")
+                f"and check_loss=False (the loss contract stops a mean over valid labels declared a row mean).")
         return calls
 
     def _check_finite(self, bad, first_row, last_row, any_finite, batch):

@@ -4,7 +4,7 @@ on what it declares (``returns_count``, ``checks_counts``, ``counts_in_network``
 ``skips_empty``, ``graph_readable``, ``ignores_labels``, ``cells``, :meth:`LossKind.counted_input`,
 :meth:`LossKind.declaration`).
 
-Per micro-batch (in the graph, and eagerly for the first call's probe) :meth:`LossKind.tally` returns ``(weight, value,
+Per micro-batch (in the graph, and eagerly for the value comparison) :meth:`LossKind.tally` returns ``(weight, value,
 count)``: the backward pass runs on ``loss * scale * weight``, so the buffers hold ``scale * sum(weight * gradient)``;
 ``value`` and ``count`` are summed over the batch or window (and over devices where :attr:`sums_across_ranks`), and
 :meth:`LossKind.normalise` turns the sums into the loss and the buffers' divisor (``core.buffers.normalise``).
@@ -95,7 +95,7 @@ class LossKind:
         return ops.maximum(count, self.min_count) <= 0
 
     def compared(self, value, count, rows, count_unit):
-        """What the probe's value comparison compares between the network's loss on two micro-batches together and the
+        """What the value comparison compares between the network's loss on two micro-batches together and the
         combination of their own (the first is the one the message quotes)."""
         return (self.normalise(Tensor(1.0, mstype.float32), value, count, 1.0, rows, count_unit)[0],)
 
@@ -187,7 +187,7 @@ IGNORE_INDEX = -100
 class IgnoredLabelMean(LossKind):
     """A mean over the labels of input `position` that are not `ignore_index`: each micro-batch weighs the labels it
     holds (in count units), so the batch's loss is its sum over its valid labels on every step, whatever labels a later
-    batch holds. Chosen by the first call's probe (diagnostics.contract) for a loss of one's own that it finds to be
+    batch holds. Chosen by the loss contract (diagnostics.contract) for a loss of one's own that it finds to be
     such a mean (``ops.cross_entropy``, ``ops.nll_loss`` inside a loss cell), where nothing was declared.
 
     Attributes:
@@ -198,7 +198,7 @@ class IgnoredLabelMean(LossKind):
     skips_empty = True   # a micro-batch without a valid label: 0/0 in the network, nothing in the full batch
     graph_readable = True
     ignores_labels = True
-    setting = "(a mean over valid labels, found by the first call's probe)"
+    setting = "(a mean over valid labels, read from the loss network's graph)"
 
     def __init__(self, position: int, ignore_index: int = IGNORE_INDEX):
         self.position = int(position)
@@ -249,7 +249,7 @@ class LossSpec:
     check_loss: bool = True
 
     def with_kind(self, kind: LossKind) -> "LossSpec":
-        """The same spec with `kind` (the one the first call's probe found, diagnostics.contract)."""
+        """The same spec with `kind` (the one the loss contract read, diagnostics.contract)."""
         return dataclasses.replace(self, kind=kind)
 
     # The public arguments of the kind, for messages and the cells' attributes.
@@ -305,7 +305,7 @@ class SpecFields:
             object.__setattr__(self, name, value)
 
     def use_kind(self, kind: LossKind) -> None:
-        """Trains with `kind` from the next compile on: the kind the first call's probe found (diagnostics.contract),
+        """Trains with `kind` from the next compile on: the kind the loss contract read (diagnostics.contract),
         set before the first graph compiles."""
         self.use_spec(self.spec.with_kind(kind))
         self.engine.use_kind(kind)

@@ -2,7 +2,7 @@
 
 A loss scale protects float16 gradients only if it multiplies the loss of the backward pass that computes them, and both
 cells run their micro-batch backward passes themselves. The source is chosen when the cell is built
-(:func:`for_grad_accumulation_cell`, ``cells.accumulating.scale_of``): a number; a live Parameter (``loss_scale=`` one,
+(:func:`for_grad_accumulation_cell`, :func:`scale_of`): a number; a live Parameter (``loss_scale=`` one,
 or ``scale_sense``); the fixed ``sens`` of the train cell around a ``GradAccumulationCell`` (``Model`` with a
 ``FixedLossScaleManager``), read when the cell is bound (``cells.binding``); or none (1.0, warned about for float16
 networks). Calling the object gives the float32 scale: ``core.engine.ScaledLoss`` applies it, ``core.buffers.divisor``
@@ -148,3 +148,52 @@ def for_grad_accumulation_cell(loss_scale: Any, network: nn.Cell, cls_name: str)
     return FixedScale(value, cls_name, network, _CELL_FIX)
 
 
+# --- The loss scale as nn.TrainOneStepWithLossScaleCell takes it (`scale_sense`), and the overflow check ---------
+
+SCALE_MANAGERS = (nn.DynamicLossScaleUpdateCell, nn.FixedLossScaleUpdateCell)   # what scale_sense may be
+
+_SCALE_FIX = ("Pass one: AccumulatingTrainOneStepCell(..., scale_sense=nn.DynamicLossScaleUpdateCell(2**12, 2, 1000)) "
+              "or scale_sense=1024.0.")
+
+
+class NoScale(LossScale):
+    """No loss scaling (without ``scale_sense``): 1.0, warned about for float16 networks."""
+
+    def check(self) -> None:
+        self.warn_if_float16()
+
+    def construct(self):
+        return Tensor(1.0, mstype.float32)
+
+
+def scale_of(scale_sense, network: nn.Cell, managers: tuple, cls_name: str) -> tuple:
+    """``(scale, update cell or None)`` of `cls_name` from what ``nn.TrainOneStepWithLossScaleCell`` takes as
+    `scale_sense` (an update cell being one of `managers`); the scale lives in a Parameter named ``scale_sense``
+    (checkpoints carry it)."""
+    if scale_sense is None:
+        return NoScale(cls_name, network, _SCALE_FIX), None
+    if isinstance(scale_sense, nn.Cell):
+        if not isinstance(scale_sense, managers):
+            expected = SCALE_EXPECTED["scale_sense"] if managers == SCALE_MANAGERS else (
+                f"a positive finite float, a scalar Tensor or one of {', '.join(m.__name__ for m in managers)}")
+            raise TypeError(argument_error(cls_name, "scale_sense", expected, scale_sense))
+        value = check_scale_value(scale_sense.get_loss_scale(), "scale_sense", cls_name)
+        manager = scale_sense
+    else:
+        value = check_scale_value(scale_sense, "scale_sense", cls_name)
+        manager = None
+    parameter = Parameter(Tensor(value, mstype.float32), name="scale_sense", requires_grad=False)
+    return LiveScale(parameter, cls_name, network, _SCALE_FIX), manager
+
+
+_all_finite = ops.MultitypeFuncGraph("_all_finite")
+
+
+@_all_finite.register("Tensor")
+def _all_finite_tensor(grad):
+    return ops.isfinite(grad).all()
+
+
+def all_finite(hyper_map, grads) -> Tensor:
+    """True when every gradient is finite: a portable overflow check (CPU too), on the float32 sums."""
+    return ops.stack(hyper_map(_all_finite, grads)).all()

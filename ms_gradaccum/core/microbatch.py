@@ -188,7 +188,7 @@ def check_loss_output(cls_name: str, returns_count: bool, is_tuple: bool, shapes
 
 
 # The per-input work of the split is one Map over the inputs: a Python loop building a tuple compiles into subgraphs
-# of its own per input and part (docs/measurements.md, "Where it goes").
+# of its own per input and part (docs/measurements.md, "Why the code is shaped so").
 _MAP = ops.Map()
 _GATHER = ops.Gather()
 _part_of = ops.MultitypeFuncGraph("_part_of")

@@ -1,13 +1,13 @@
-"""The diagnostics a package cell runs before its first step: the loss contract's probe on its first call
-(diagnostics.contract), and the context added to an error the network raises on a micro-batch while a graph compiles.
-The cells call them (``cells.binding``); a steady call runs no package Python.
+"""The diagnostics a package cell runs before its first step: the loss contract read around its first compile or
+call (diagnostics.contract), and the context added to an error the network raises on a micro-batch while a graph
+compiles. The cells call them (``cells.binding``); a steady call runs no package Python.
 
 GRAPH_MODE: the compile hook (``cells.compile_hook``) calls the cell's ``before_compile``, which runs
 :func:`read_first_call` where the batch reaches the cell being compiled unchanged (the package cell, or
 the train cells ``Model`` builds around it, ``AutoParallel``); where it reaches the cell only inside the graph (a train
 cell of one's own, sink mode), :func:`read_after_compile` reads the graph after the compile, before it runs; in a
 ``jit`` function, and where that reading is undecided, the graph compares values itself on its first run
-(``contract.LossContract.construct``). PyNative mode: the cells' own ``__call__`` runs the probe on the first call,
+(``contract.LossContract.construct``). PyNative mode: the cells' own ``__call__`` reads the contract on the first call,
 and again when the inputs' layout changes.
 """
 import numpy as np

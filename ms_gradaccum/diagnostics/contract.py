@@ -1,23 +1,22 @@
-"""The loss contract on the first call (docs/design.md, "The loss contract"): read from the loss network's graph,
-compared by values only where the graph leaves it undecided.
+"""The loss contract (docs/design.md, "The loss contract"): read from the loss network's graph once, before any step
+runs, compared by values only where the graph leaves it undecided.
 
 The cells are exact when the loss is what they train it as: a mean over independent rows (the default), a sum, a mean
 over a count taken from the inputs, ``(loss_sum, count)`` (``per_token_loss=True``), or a recognised loss they count.
-On the first call (and again, in PyNative mode, when the inputs' layout changes) :meth:`LossContract.first_call`
-reads the network's frontend graph (``diagnostics.graph_contract``) before any step: what it shows holds whatever
-values later batches hold, and a kind it shows is the one the cell trains with. Where the graph leaves the contract
-undecided (control flow, a primitive without a rule) and the network draws no random values,
-:meth:`LossContract.compare_values` compares every row's values eagerly (diagnostics.values): each micro-batch's loss,
-and each micro-batch with the next together, as the kind combines them, to a relative tolerance.
+What the graph shows holds whatever values later batches hold, and a kind it shows is the one the cell trains with.
 
-Under semi-auto/auto parallel the loss network is read (and, where undecided, run) stand-alone, and a kind MindSpore's
-parallel pass cannot train (it weighs each micro-batch's loss ``1/micro_size``: a row mean only) stops before the
-compile. Where the batch reaches the cell only inside the graph (a train cell of one's own, sink mode), the graph is
-read after the compile, before it runs (:meth:`LossContract.read_compiled`); where that leaves the contract undecided,
-and in a ``jit`` function, the graph compares the first two micro-batches' values on its first run
-(:meth:`LossContract.construct`).
+- GRAPH_MODE, stand-alone or data parallel: :meth:`LossContract.read_step` reads the network's forward in the compiled
+  step's own graph (``_mindspore.step_graph``), after the compile and before the graph runs; a kind other than the
+  compiled one compiles the step once more. Where the step cannot show the network, its own frontend graph is read
+  (:meth:`LossContract.read_graph`).
+- PyNative mode (again when the inputs' layout changes), and semi-auto/auto parallel, whose pass rewrites the step's
+  graph: :meth:`LossContract.first_call` reads the network's own frontend graph before the step (stand-alone under
+  semi-auto, where a kind MindSpore's pass cannot train, anything but a row mean, stops).
+- Undecided (control flow, a primitive without a rule) with nothing random drawn: :meth:`LossContract.compare_values`
+  compares every row's values eagerly (diagnostics.values), as the kind combines them, to a relative tolerance; where
+  the batch's values cannot be reached (a train cell of one's own, sink mode) and in a ``jit`` function, the graph
+  compares the first two micro-batches' values on its first run (:meth:`LossContract.construct`).
 """
-import dataclasses
 from typing import Optional
 
 from mindspore import nn, ops, Parameter, Tensor
@@ -32,47 +31,8 @@ from ms_gradaccum.core.microbatch import SPLIT, assemble, micro_batch_rows
 from ms_gradaccum.core.validation import computes_in_float16, readable
 from ms_gradaccum.diagnostics import graph_contract, values
 from ms_gradaccum.diagnostics.eager import BatchRows, runs_on
+from ms_gradaccum.diagnostics.findings import Findings, input_layout, loss_name
 from ms_gradaccum.diagnostics.graph_messages import LossContractError, beyond_parallel_pass, decided, declare_kind
-
-
-@dataclasses.dataclass(frozen=True)
-class Findings:
-    """What the first call found (``check_loss_contract`` reports it).
-
-    Attributes:
-        kind (LossKind): The kind the cell trains with (the one the graph shows, where it shows one).
-        separable (Optional[bool]): Whether the rows are independent, as read from the graph; None where the graph
-            left it to the value comparison.
-        ignore_labels (Optional[int]): The input whose ignored labels the loss leaves out (then counted), if any.
-        random (bool): The network draws random values (then no values are compared).
-        rows_compared (int): The rows whose values were compared (every row of the batch, or 0).
-        batch_rows (int): The rows of the batch read.
-        measured (float): The loss on the pair of micro-batches whose comparison was closest to failing.
-        predicted (float): The same, combined from the two micro-batches' own losses.
-        not_finite (Optional[int]): The first micro-batch whose loss is not finite (nothing compared then).
-    """
-    kind: object
-    separable: Optional[bool]
-    ignore_labels: Optional[int]
-    random: bool
-    rows_compared: int
-    batch_rows: int
-    measured: float = float("nan")
-    predicted: float = float("nan")
-    not_finite: Optional[int] = None
-    read_from_graph: bool = False
-    graph: object = None
-
-
-def loss_name(network: nn.Cell) -> str:
-    """The network's class, and its loss cell's (the last ``nn.LossBase`` in it), for messages."""
-    losses = [type(cell).__name__ for name, cell in network.cells_and_names() if isinstance(cell, nn.LossBase) and name]
-    return type(network).__name__ + (f" ({losses[-1]})" if losses else "")
-
-
-def _layout(inputs: tuple) -> tuple:
-    """What the contract's reading holds for (PyNative reads it again when it changes): each input's dtype and rank."""
-    return tuple((x.dtype, x.ndim) if isinstance(x, Tensor) else type(x) for x in inputs)
 
 
 @primexpr
@@ -151,7 +111,7 @@ class LossContract(PrecisionNeutral):
         into an input)."""
         if not self.enabled or self.failed:
             return None
-        layout = _layout(inputs)
+        layout = input_layout(inputs)
         if self.decided and layout == self.layout:
             return None
         # Semi-auto/auto parallel: the loss network read and run alone, on this process (its errors too).
@@ -208,7 +168,7 @@ class LossContract(PrecisionNeutral):
         if findings is None:
             self.failed = True   # the graph compares the first two micro-batches' values on its first run
             return None, True
-        self.decided, self.layout, self.findings = True, _layout(inputs), findings
+        self.decided, self.layout, self.findings = True, input_layout(inputs), findings
         kind = findings.kind if findings.kind != self.kind else None
         return kind, kind is not None
 
@@ -235,7 +195,7 @@ class LossContract(PrecisionNeutral):
         read on `inputs` (of the batch's shapes and dtypes; their values are not read). Raises
         :class:`LossContractError` where it stops, or where it shows a kind other than the one the graph was compiled
         for (the route to declare it); undecided, the compiled graph compares values on its first run."""
-        layout = _layout(inputs)
+        layout = input_layout(inputs)
         with stand_alone():
             findings = self.read_graph(engine, inputs)
         if findings is None:

@@ -1,4 +1,4 @@
-"""The one place the package runs the user's network outside a graph: the loss contract's probe (contract) and the
+"""The one place the package runs the user's network outside a graph: the loss contract's value comparison and the
 tries behind the error context (diagnostics.failures) both call :func:`run_eagerly`, which puts the network back as it
 found it.
 """
@@ -30,21 +30,21 @@ def _switched_off(cells: list, flag: str, set_flag: str):
 
 def training_off(cells: list):
     """`cells` in eval mode (``set_train(False)``) for the duration, each put back as it was: batch normalisation then
-    normalises with its moving statistics, row by row, as the probe's passes need."""
+    normalises with its moving statistics, row by row, as the comparison's passes need."""
     return _switched_off(cells, "training", "set_train")
 
 
 def own_gradients_off(network: nn.Cell):
     """The cells of `network` not gradient cells of their own (``set_grad(False)``) for the duration, each put back:
     a train cell marks its network so (``nn.TrainOneStepCell``, ``AccumulatingTrainOneStepCell``), and PyNative mode
-    then records that network's calls as a gradient of their own inside the probe's, whose weights' gradients come out
-    wrong (measured: an LM's row mean did not add up over two rows)."""
+    then records that network's calls as a gradient of their own inside the comparison's, whose weights' gradients
+    come out wrong (measured: an LM's row mean did not add up over two rows)."""
     return _switched_off([cell for _, cell in network.cells_and_names()], "requires_grad", "set_grad")
 
 
 @contextlib.contextmanager
 def moving_statistics_kept(network: nn.Cell):
-    """Puts BatchNorm's moving statistics back as they were: the probe's pass is not a training step."""
+    """Puts BatchNorm's moving statistics back as they were: the comparison's pass is not a training step."""
     kept = [(param, Tensor(param.asnumpy())) for name, param in network.parameters_and_names()
             if is_batch_statistic(name)]
     try:

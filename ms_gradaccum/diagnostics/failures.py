@@ -36,8 +36,8 @@ def failure_context(cls_name: str, micro_size: int, engine: nn.Cell, inputs: Opt
                     check_rows: int = 0, contract: Optional[nn.Cell] = None) -> str:
     """What an error the network raised on a micro-batch (or on the loss contract's check of `check_rows` rows, the
     first two micro-batches together) is about: the micro-batches' rows, and the fixes. Where `engine` and the owner's
-    `inputs` are given, an input that makes the loss combine when given whole is named by the loss `contract`'s probe
-    (the shared-input advice is tried, not guessed)."""
+    `inputs` are given, an input that makes the loss combine when given whole is named by `contract`'s value
+    comparison (the shared-input advice is tried, not guessed)."""
     split, names, batch, rows = _split(micro_size, engine, inputs)
     row_text = " and ".join(str(r) for r in rows)
     shown = ", ".join(f"input {i}{f' ({names[i]!r})' if i < len(names) else ''} {tuple(shape)} -> "

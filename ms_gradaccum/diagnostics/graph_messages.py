@@ -108,7 +108,7 @@ def decided(check, reading: GraphReading, public: bool):
 
 def values_message(check, pair: int, start: int, stop: int, measured: float, predicted: float, sizes: list, kind,
                    public: bool) -> str:
-    """The stop where the probe's value comparison (undecided by the graph) finds that micro-batches `pair` and
+    """The stop where the value comparison (undecided by the graph) finds that micro-batches `pair` and
     ``pair + 1`` together (rows `start` to ``stop - 1``) do not give what their own losses combine to as `kind`."""
     token, total = routes(public)
     rows = sizes[pair] + sizes[pair + 1]
