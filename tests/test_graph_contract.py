@@ -410,6 +410,55 @@ def test_graph_contract_read_from_the_compiled_step_without_compiling_the_networ
         assert (len(again), len(apart)) == (compiled_again, compiled_apart), (make, len(again), len(apart))
 
 
+def run_in_jit(make, batches, micro_size=K, **kwargs):
+    """`run` as a functional loop: ``value_and_grad`` of the cell in an ``ms.jit`` step (the batch never reaches the
+    cell from Python, and no train cell is built)."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    net = make()
+    initial = params_of(net)
+    optimizer = nn.Momentum(net.trainable_params(), 0.1, 0.9)
+    cell = GradAccumulationCell(net, micro_size, weights=optimizer.parameters, **kwargs) if micro_size else net
+    grad_fn = ms.value_and_grad(cell, None, optimizer.parameters)
+
+    @ms.jit
+    def step(*inputs):
+        loss, grads = grad_fn(*inputs)
+        return ops.depend(loss, optimizer(grads))
+    for batch in batches:
+        step(*(Tensor(a) for a in batch))
+    return initial, params_of(net), cell
+
+
+@pytest.mark.lowest
+def test_graph_contract_read_from_a_jit_functions_own_graph():
+    # A functional loop in ms.jit: the contract is read from the function's compiled graph before it runs (it compiled
+    # the value comparison into the graph before); a counted mean trains exactly (the function compiled again for its
+    # kind), a coupled loss stops at every call with no weight moved. Control: with the check off, the row mean is off.
+    batches = token_batches(4)
+    initial, expected, _ = run_in_jit(IgnoredMean, batches, 0)
+    _, actual, cell = run_in_jit(IgnoredMean, batches)
+    assert cell.kind == IgnoredLabelMean(1) and cell.contract.decided and not cell.contract.in_graph, cell.kind
+    assert_params_moved(expected, initial)
+    assert off(actual, expected, initial) < 1e-4, off(actual, expected, initial)
+    _, control, _ = run_in_jit(IgnoredMean, batches, check_loss=False)
+    assert off(control, expected, initial) > 1e-2
+    net = InfoNCE()
+    before = params_of(net)
+    optimizer = nn.Momentum(net.trainable_params(), 0.1, 0.9)
+    grad_fn = ms.value_and_grad(GradAccumulationCell(net, K, weights=optimizer.parameters), None,
+                                optimizer.parameters)
+
+    @ms.jit
+    def step(x, y):
+        loss, grads = grad_fn(x, y)
+        return ops.depend(loss, optimizer(grads))
+    x, y = float_batches(1)[0]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="a matrix product between rows"):
+            step(Tensor(x), Tensor(y))
+    assert all(np.array_equal(value, before[name]) for name, value in params_of(net).items()), "the weights moved"
+
+
 def test_graph_contract_reading_is_reported_and_needs_no_eager_pass(monkeypatch):
     # check_loss_contract reports what the graph showed; no network pass runs (the eager runner is not called).
     from ms_gradaccum.diagnostics import eager   # pylint: disable=import-outside-toplevel

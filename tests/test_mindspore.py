@@ -189,6 +189,7 @@ import numpy as np, mindspore as ms
 from mindspore import nn
 from mindspore.ops.composite.multitype_ops import zeros_like_impl
 from ms_gradaccum._mindspore.patches import CELL_GRAPH_EXECUTOR, PATCHES, AUTODIFF_ZEROS_LIKE, GRAPH_COMPILE
+from ms_gradaccum._mindspore.patches import JIT_COMPILE, _api
 import sys
 sys.path.insert(0, TESTS)
 from helpers import ce, classification_batches, make_mlp, make_optimizer, params_of, train_steps, ZerosLikeLoss
@@ -198,7 +199,7 @@ def plain():
     train_steps(nn.TrainOneStepCell(nn.WithLossCell(net, ce()), make_optimizer("adam", net.trainable_params())),
                 classification_batches(2, 32))
     return params_of(net)
-functional, compile_graph = zeros_like_impl.F, CELL_GRAPH_EXECUTOR.compile
+functional, compile_graph, compile_jit = zeros_like_impl.F, CELL_GRAPH_EXECUTOR.compile, _api._JitExecutor.compile
 own = dict(vars(CELL_GRAPH_EXECUTOR))   # the executor's own attributes before any patch
 before = plain()
 import ms_gradaccum
@@ -210,7 +211,8 @@ train_steps(accumulated(lambda net: nn.WithLossCell(net, ce())), classification_
 print("plain network:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed)
 step = accumulated(ZerosLikeLoss)
 print("built:", GRAPH_COMPILE.installed, CELL_GRAPH_EXECUTOR.compile == compile_graph,
-      "compile" in vars(CELL_GRAPH_EXECUTOR) and "compile" not in own)
+      "compile" in vars(CELL_GRAPH_EXECUTOR) and "compile" not in own, JIT_COMPILE.installed,
+      _api._JitExecutor.compile is compile_jit)
 train_steps(step, classification_batches(1, 32))
 print("installed:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed, zeros_like_impl.F is functional,
       CELL_GRAPH_EXECUTOR.compile == compile_graph, vars(CELL_GRAPH_EXECUTOR).keys() == own.keys())
@@ -219,7 +221,7 @@ for patch in PATCHES.values():
     patch.uninstall()   # each alone: nothing more either
 print("uninstalled:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed, zeros_like_impl.F is functional,
       CELL_GRAPH_EXECUTOR.compile == compile_graph, "ms_gradaccum._autodiff_functional" in sys.modules,
-      vars(CELL_GRAPH_EXECUTOR).keys() == own.keys())
+      vars(CELL_GRAPH_EXECUTOR).keys() == own.keys(), JIT_COMPILE.installed, _api._JitExecutor.compile is compile_jit)
 after = plain()
 train_steps(accumulated(ZerosLikeLoss), classification_batches(1, 32))
 print("again:", AUTODIFF_ZEROS_LIKE.installed, GRAPH_COMPILE.installed)
@@ -233,11 +235,11 @@ print("plain:", "bit-identical" if all(np.array_equal(before[k], after[k]) for k
     # A network without a bprop calling ops.zeros_like gets no patch (and the compile hook is gone after its compile).
     assert "plain network: False False" in done.stdout, done.stdout
     # Control: the compile hook was in place until the compile, an attribute of the executor's own.
-    assert "built: True False True" in done.stdout, done.stdout
+    assert "built: True False True True False" in done.stdout, done.stdout   # the jit executor's compile too
     # The executor's undo deleted the attribute its install added: vars() as before, not only an equal compile.
     assert "installed: True False False True True" in done.stdout, done.stdout   # ... and removed by itself after it
     assert "removed: ['autodiff zeros_like'] []" in done.stdout, done.stdout
-    assert "uninstalled: False False True True False True" in done.stdout, done.stdout
+    assert "uninstalled: False False True True False True False True" in done.stdout, done.stdout
     assert "again: True False" in done.stdout, done.stdout   # a cell that needs it installs it again at its compile
     assert "plain: bit-identical" in done.stdout, done.stdout
 

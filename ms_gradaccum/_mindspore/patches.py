@@ -7,7 +7,7 @@
   gradient; installed when such a cell compiles, for no other network.
 - :data:`GRAPH_COMPILE`: the graph executor's ``compile`` is wrapped, to run hooks around each compile (the loss
   contract read from the compiled step, and the compile once more where it shows another kind) and to let the package
-  add context to an error it recognises as its own.
+  add context to an error it recognises as its own; :data:`JIT_COMPILE` does the same for ``jit`` functions.
 
 Checked 2.7.0 and 2.10.0.
 """
@@ -21,9 +21,10 @@ from mindspore.ops.composite.multitype_ops import zeros_like_impl
 
 
 try:
-    from mindspore.graph.api import _cell_graph_executor as CELL_GRAPH_EXECUTOR
+    from mindspore.graph import api as _api
 except ImportError:   # before 2.9
-    from mindspore.common.api import _cell_graph_executor as CELL_GRAPH_EXECUTOR
+    from mindspore.common import api as _api
+CELL_GRAPH_EXECUTOR = _api._cell_graph_executor   # pylint: disable=protected-access
 
 # The package's own graphs make zeros through the primitive, never through the function the patch below separates.
 ZEROS_LIKE = _ops.ZerosLike()
@@ -172,6 +173,71 @@ class GraphCompile(Patch):
 _COMPILES = 2
 
 
+# A `jit` function (a functional training loop) compiles through its `_JitExecutor.compile(method_name, *args)`, which
+# returns the phase it compiled (or found cached: `ms_compile_cache`), on every call of the function.
+class JitCompile(Patch):
+    """``_JitExecutor.compile``, wrapped: the registered hooks are entered around each compile of a ``jit`` function,
+    as :class:`GraphCompile`'s, each given the executor and the phase once it is known (what they yield gets
+    ``phase``); where one sets ``again``, the function compiles once more."""
+
+    def __init__(self):
+        self._original = None
+        self.hooks = []
+
+    @property
+    def installed(self) -> bool:
+        return self._original is not None and _api._JitExecutor.compile is not self._original  # pylint: disable=W0212
+
+    def install(self) -> bool:
+        if self.installed:
+            return True
+        original = _api._JitExecutor.compile   # pylint: disable=protected-access
+        hooks = self.hooks
+
+        def compile_with_hooks(executor, method_name, *args, **kwargs):
+            for _ in range(_COMPILES):
+                phase = None
+                try:
+                    with contextlib.ExitStack() as around:
+                        answers = [around.enter_context(hook(executor)) for hook in hooks]
+                        phase = original(executor, method_name, *args, **kwargs)
+                        for answer in answers:
+                            answer.phase = phase
+                except Exception:
+                    if phase is not None:   # compiled, and a hook stopped it: compiled (and stopped) again next call
+                        _forget_jit(executor, phase)
+                    raise
+                if not any(getattr(answer, "again", False) for answer in answers):
+                    break
+                _forget_jit(executor, phase)
+            return phase
+
+        self._original = original
+        _api._JitExecutor.compile = compile_with_hooks   # pylint: disable=protected-access
+        return True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            _api._JitExecutor.compile = self._original   # pylint: disable=protected-access
+        self._original = None
+
+    def around(self, hook: Callable) -> None:
+        """Enters ``hook(executor)`` (a context manager) around each compile of a ``jit`` function; registered once."""
+        if hook not in self.hooks:
+            self.hooks.append(hook)
+
+
+def _forget_jit(executor, phase: str) -> None:
+    """Drops what a ``jit`` function's `executor` compiled for `phase`: its next call compiles it anew."""
+    _api.ms_compile_cache.discard(phase)
+    executor._graph_executor.del_net_res(None, {phase})   # pylint: disable=protected-access
+
+
+def jit_graph_proto(executor, phase: str) -> bytes:
+    """The MindIR of the graph a ``jit`` function's `executor` compiled for `phase`."""
+    return executor._graph_executor.get_func_graph_proto(phase, "mind_ir", False)   # pylint: disable=W0212
+
+
 def forget_compile(cell, phase: str) -> None:
     """Drops the graph of `cell` compiled for `phase`, so that the next compile of that phase builds it anew."""
     cell.compile_cache.discard(phase)
@@ -189,9 +255,10 @@ def with_context(error: Exception, context: str) -> None:
 
 AUTODIFF_ZEROS_LIKE = AutodiffZerosLike()
 GRAPH_COMPILE = GraphCompile()
+JIT_COMPILE = JitCompile()
 # Every process-wide change, by the name remove_patches() reports: MindSpore's here, other libraries' registered by
 # the module that makes them (register), when it is imported.
-PATCHES = {"autodiff zeros_like": AUTODIFF_ZEROS_LIKE, "graph compile": GRAPH_COMPILE}
+PATCHES = {"autodiff zeros_like": AUTODIFF_ZEROS_LIKE, "graph compile": GRAPH_COMPILE, "jit compile": JIT_COMPILE}
 
 
 def register(name: str, patch: Patch) -> Patch:
@@ -206,9 +273,9 @@ def remove_patches() -> list:
 
     What can be in place: autodiff's own ``zeros_like``, installed when a ``GradAccumulationCell`` whose network has a
     ``bprop`` calling ``mindspore.ops.zeros_like`` compiles, and kept for the process after (such a cell installs it
-    again at its next compile); the graph executor's ``compile`` wrapped while a package cell waits for its first
-    compile, and removed by itself after it (a cell still waiting then compares the first two micro-batches' values in
-    its graph instead of being read first); and what an adapter registered (``ms_gradaccum.mindformers``: the check
+    again at its next compile); the graph executor's and the ``jit`` executor's ``compile`` wrapped while a package
+    cell waits for its first compile, and removed by themselves after it (a cell still waiting then compares the first
+    two micro-batches' values in its graph instead of being read first); and what an adapter registered (``ms_gradaccum.mindformers``: the check
     run first in MindFormers' ``BaseTrainer._check_grad_accumulation_steps``, installed at its import)."""
     removed = [name for name, patch in PATCHES.items() if patch.installed]
     for patch in PATCHES.values():

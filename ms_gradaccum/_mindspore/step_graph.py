@@ -7,12 +7,12 @@ identity, so no pass merges it with another): each split input's micro-batch is 
 ``(loss_sum, count)``, are summed by :data:`LOSS_SUM`, :data:`FIRST_SUM` and :data:`COUNT_SUM` (attribute
 :data:`LOSS_OUTPUT`); a recognised loss's counting copy guards its count against 0 with :data:`GUARD`.
 
-After a compile, ``_get_func_graph_proto(root, phase, "mind_ir")`` serialises the step's optimised graph (forward,
-backward, the optimizer). MindSpore imports protobuf's pure-Python implementation, which would take seconds to parse
-a deep model's graph (its constants carry the buffers' zeros); so the model is split at the wire level and only the
-primitive table and the subgraphs holding the marks are parsed. :func:`loss_graphs` returns, per loop body (two for
-an uneven split), the network's forward as a ``frontend.Graph``: the nodes the marked outputs depend on, from the
-marked micro-batches, weights and constants. Checked 2.7.0 and 2.10.0 (``tests/test_graph_contract.py``).
+After a compile, :func:`step_proto` (a ``jit`` function's executor likewise) serialises the step's graph (forward,
+backward, the optimizer) as MindIR. MindSpore imports protobuf's pure-Python implementation, which would take seconds
+to parse a deep model's graph (its constants carry the buffers' zeros); so the model is split at the wire level and
+only the primitive table and the subgraphs holding the marks are parsed. :func:`loss_graphs` returns, per loop body
+(two for an uneven split), the network's forward as a ``frontend.Graph``: the nodes the marked outputs depend on, from
+the marked micro-batches, weights and constants. Checked 2.7.0 and 2.10.0 (``tests/test_graph_contract.py``).
 """
 import dataclasses
 import gc
@@ -97,12 +97,17 @@ def _marked(primitive) -> Optional[tuple]:
     return None
 
 
-def loss_graphs(root, phase: str, weights: frozenset, network: str) -> list:
-    """The network's forward in each loop body of `root`'s compiled `phase` that holds the marks (see the module
-    docstring), as :class:`LossGraph`, the larger micro-batches first; empty where MindSpore gives no graph or no
-    body holds the marks. `weights`: the names of the Parameters (read as weights, not inputs); `network`: the loss
-    network's class name (its nodes' scopes are given from it on, as its own graph gives them)."""
-    data = _EXECUTOR._get_func_graph_proto(root, phase, "mind_ir")   # pylint: disable=protected-access
+def step_proto(root, phase: str) -> Optional[bytes]:
+    """The MindIR of `root`'s compiled `phase` (the train step), or None where MindSpore has none."""
+    return _EXECUTOR._get_func_graph_proto(root, phase, "mind_ir")   # pylint: disable=protected-access
+
+
+def loss_graphs(data: Optional[bytes], weights: frozenset, network: str) -> list:
+    """The network's forward in each loop body of the compiled step whose MindIR is `data` (:func:`step_proto`, or a
+    ``jit`` function's) that holds the marks (see the module docstring), as :class:`LossGraph`, the larger
+    micro-batches first; empty where there is no graph or no body holds the marks. `weights`: the names of the
+    Parameters (read as weights, not inputs); `network`: the loss network's class name (its nodes' scopes are given
+    from it on, as its own graph gives them)."""
     if not data:
         return []
     # The parse allocates many small objects: the collector, run over everything a compile leaves, would cost more

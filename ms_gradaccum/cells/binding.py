@@ -20,9 +20,9 @@ import mindspore as ms
 from mindspore import nn
 
 from ms_gradaccum._mindspore.surroundings import Surroundings, around, child
-from ms_gradaccum.cells.compile_hook import done_waiting, expect_compile
+from ms_gradaccum.cells.compile_hook import compiled_in_jit, done_waiting, expect_compile
 from ms_gradaccum.diagnostics.calls import (before_step_compile, compile_error_context, read_after_compile,
-                                            read_first_call)
+                                            read_after_jit_compile, read_first_call)
 
 NOTHING_AROUND = Surroundings()
 
@@ -97,11 +97,23 @@ class BoundCell:
         if failed and contract is not None:
             contract.reads_step = False
 
+    def expect_jit_compile(self) -> bool:
+        """Before a ``jit`` function compiles while this cell waits: the loss contract will be read from its graph if
+        it holds this cell (``cells.compile_hook.around_jit_compile``); True where it will."""
+        contract = child(self, "contract")
+        return contract is not None and contract.expect_step()
+
+    def compiled_in(self, executor, phase: str) -> bool:
+        """After a ``jit`` function holding this cell compiled, before it runs: the loss contract read from its graph
+        (diagnostics.calls.read_after_jit_compile). Returns whether the function must compile again."""
+        return read_after_jit_compile(self, executor, phase)
+
     def compiled_elsewhere(self) -> None:
         """Called by the compile checks: a graph compiling the cell that the compile hook did not prepare (a ``jit``
         function, which that executor never compiles) means no compile of the hook's will come for it: it stops
         waiting (the hook is undone once none waits). Not in PyNative calls."""
         if not self.calling_eagerly and not self.compiling_from_root:
+            compiled_in_jit(self)
             done_waiting(self)
 
     def __call__(self, *args, **kwargs):

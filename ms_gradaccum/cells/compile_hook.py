@@ -24,7 +24,7 @@ import weakref
 import mindspore as ms
 from mindspore import nn
 
-from ms_gradaccum._mindspore.patches import GRAPH_COMPILE
+from ms_gradaccum._mindspore.patches import GRAPH_COMPILE, JIT_COMPILE
 from ms_gradaccum._mindspore.surroundings import child
 
 # The package cells waiting for their next compile.
@@ -36,9 +36,10 @@ def waiting() -> list:
 
 
 def _release_if_none_waits() -> None:
-    """Undo: the executor's compile is MindSpore's again once no package cell waits."""
+    """Undo: the executors' compile is MindSpore's again once no package cell waits."""
     if not waiting():
         GRAPH_COMPILE.uninstall()
+        JIT_COMPILE.uninstall()
 
 
 def expect_compile(owner: nn.Cell) -> None:
@@ -51,6 +52,8 @@ def expect_compile(owner: nn.Cell) -> None:
     GRAPH_COMPILE.around(around_compile)
     GRAPH_COMPILE.decorate_errors(_error_context)
     GRAPH_COMPILE.install()
+    JIT_COMPILE.around(around_jit_compile)
+    JIT_COMPILE.install()
 
 
 def done_waiting(owner: nn.Cell) -> None:
@@ -100,11 +103,54 @@ def around_compile(root: nn.Cell, args: tuple):
     _release_if_none_waits()
 
 
+# The package cells each `jit` compile under way has compiled (their compile checks ran in it), innermost last.
+_JIT_COMPILES: list = []
+
+
+def compiled_in_jit(owner: nn.Cell) -> None:
+    """`owner`'s graph is being compiled inside a ``jit`` function (its compile checks say so): read after it."""
+    if _JIT_COMPILES:
+        _JIT_COMPILES[-1].append(owner)
+
+
+@contextlib.contextmanager
+def around_jit_compile(executor):
+    """Around a compile of a ``jit`` function while package cells wait (a JIT_COMPILE hook): each waiting cell prepares
+    the loss contract's reading (which cells the function holds is known only as it compiles: ``compiled_in_jit``);
+    after it, the cells it compiled read the contract from its graph (the answer's ``phase``), the others undo."""
+    answer = Answer()
+    cells = waiting()
+    if not cells or ms.get_context("mode") != ms.GRAPH_MODE:
+        yield answer
+        return
+    prepared = [owner for owner in cells if owner.expect_jit_compile()]
+    compiled = []
+    _JIT_COMPILES.append(compiled)
+    failed = True
+    try:
+        yield answer
+        failed = False
+    finally:
+        _JIT_COMPILES.pop()
+        for owner in prepared:
+            if failed or owner not in compiled:
+                owner.after_compile(failed=True)
+    if not failed:
+        for owner in compiled:
+            try:
+                answer.again = owner.compiled_in(executor, answer.phase) or answer.again
+            except Exception:
+                expect_compile(owner)   # stopped: the function compiles, and stops, again at its next call
+                raise
+
+
 class Answer:
-    """What a compile hook says after the compile: whether the root must compile again (GRAPH_COMPILE does)."""
+    """What a compile hook says after the compile: whether it must compile again (the patch does), and the phase it
+    compiled (a ``jit`` function's, given to its hooks)."""
 
     def __init__(self):
         self.again = False
+        self.phase = None
 
 
 def _error_context(error: Exception, args: tuple):

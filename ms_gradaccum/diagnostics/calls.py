@@ -2,19 +2,21 @@
 call (diagnostics.contract), and the context added to an error the network raises on a micro-batch while a graph
 compiles. The cells call them (``cells.binding``); a steady call runs no package Python.
 
-GRAPH_MODE: the compile hook (``cells.compile_hook``) calls the cell's ``before_compile``, which runs
-:func:`read_first_call` where the batch reaches the cell being compiled unchanged (the package cell, or
-the train cells ``Model`` builds around it, ``AutoParallel``); where it reaches the cell only inside the graph (a train
-cell of one's own, sink mode), :func:`read_after_compile` reads the graph after the compile, before it runs; in a
-``jit`` function, and where that reading is undecided, the graph compares values itself on its first run
-(``contract.LossContract.construct``). PyNative mode: the cells' own ``__call__`` reads the contract on the first call,
-and again when the inputs' layout changes.
+GRAPH_MODE: the compile hook (``cells.compile_hook``) calls the cell's ``before_compile`` (:func:`before_step_compile`)
+and, after the compile, before the graph runs, :func:`read_after_compile`: the contract read from the compiled step's
+graph, under ``Model``, a train cell of one's own and sink mode alike; a ``jit`` function's graph the same way
+(:func:`read_after_jit_compile`); under semi-auto/auto parallel, :func:`read_first_call` before the compile where the
+batch reaches the cell. Where nothing decides before the graph runs, the graph compares values itself on its first
+run (``contract.LossContract.construct``). PyNative mode: the cells' own ``__call__`` reads the contract on the first
+call, and again when the inputs' layout changes.
 """
 import numpy as np
 from mindspore import nn, Tensor
 from mindspore.common import dtype as mstype
 
 from ms_gradaccum._mindspore.graph import in_function_gradient
+from ms_gradaccum._mindspore.patches import jit_graph_proto
+from ms_gradaccum._mindspore.step_graph import step_proto
 from ms_gradaccum._mindspore.surroundings import PASS_THROUGH, child, parallel_pass_in_force
 from ms_gradaccum.core.microbatch import check_tensor_inputs
 
@@ -65,13 +67,31 @@ def read_after_compile(owner: nn.Cell, root: nn.Cell, args: tuple) -> bool:
     reached = inner_cell(root) is owner
     inputs = args if reached else None if signature is None else _zeros_of(signature)
     if contract.reads_step:
-        kind, again = contract.read_step(engine, root, root.current_phase, inputs, reached)
-        if kind is not None:
-            owner.use_kind(kind)
-        return again
+        weights = frozenset(parameter.name for parameter in root.get_parameters())
+        return _read_step(owner, lambda: step_proto(root, root.current_phase), weights, inputs, reached)
     if inputs is not None and not reached and contract.in_graph:
         contract.read_compiled(engine, inputs)
     return False
+
+
+def read_after_jit_compile(owner: nn.Cell, executor, phase: str) -> bool:
+    """After a ``jit`` function holding `owner` compiled (its `executor`, `phase`), before it runs: the loss contract
+    read from that graph, the batch's values unknown (the function's arguments are not the cell's). Returns whether
+    the function must compile again."""
+    contract, engine = child(owner, "contract"), child(owner, "engine")
+    if contract is None or engine is None or not contract.reads_step:
+        return False
+    signature = engine.scaled_loss.record.signature
+    inputs = None if signature is None else _zeros_of(signature)
+    weights = frozenset(parameter.name for parameter in owner.get_parameters())
+    return _read_step(owner, lambda: jit_graph_proto(executor, phase), weights, inputs, False)
+
+
+def _read_step(owner: nn.Cell, proto, weights: frozenset, inputs, reached: bool) -> bool:
+    kind, again = child(owner, "contract").read_step(child(owner, "engine"), proto, weights, inputs, reached)
+    if kind is not None:
+        owner.use_kind(kind)
+    return again
 
 
 def _zeros_of(signature: tuple) -> tuple:

@@ -6,16 +6,17 @@ over a count taken from the inputs, ``(loss_sum, count)`` (``per_token_loss=True
 What the graph shows holds whatever values later batches hold, and a kind it shows is the one the cell trains with.
 
 - GRAPH_MODE, stand-alone or data parallel: :meth:`LossContract.read_step` reads the network's forward in the compiled
-  step's own graph (``_mindspore.step_graph``), after the compile and before the graph runs; a kind other than the
-  compiled one compiles the step once more. Where the step cannot show the network, its own frontend graph is read
-  (:meth:`LossContract.read_graph`).
+  step's own graph (``_mindspore.step_graph``; a ``jit`` function's too), after the compile and before the graph runs;
+  a kind other than the compiled one compiles the step once more. Where the step cannot show the network, its own
+  frontend graph is read (:meth:`LossContract.read_graph`).
 - PyNative mode (again when the inputs' layout changes), and semi-auto/auto parallel, whose pass rewrites the step's
   graph: :meth:`LossContract.first_call` reads the network's own frontend graph before the step (stand-alone under
   semi-auto, where a kind MindSpore's pass cannot train, anything but a row mean, stops).
 - Undecided (control flow, a primitive without a rule) with nothing random drawn: :meth:`LossContract.compare_values`
   compares every row's values eagerly (diagnostics.values), as the kind combines them, to a relative tolerance; where
-  the batch's values cannot be reached (a train cell of one's own, sink mode) and in a ``jit`` function, the graph
-  compares the first two micro-batches' values on its first run (:meth:`LossContract.construct`).
+  the batch's values cannot be reached (a train cell of one's own, sink mode, a ``jit`` function) or the compile hook
+  was removed, the graph compares the first two micro-batches' values on its first run
+  (:meth:`LossContract.construct`).
 """
 from typing import Optional
 
@@ -141,20 +142,21 @@ class LossContract(PrecisionNeutral):
         self.reads_step = self.enabled and not self.decided and not self.failed
         return self.reads_step
 
-    def read_step(self, engine: nn.Cell, root: nn.Cell, phase: str, inputs: Optional[tuple], comparable: bool):
+    def read_step(self, engine: nn.Cell, proto, weights: frozenset, inputs: Optional[tuple], comparable: bool):
         """After the compile :meth:`expect_step` prepared, before its graph runs: the contract read from the network's
-        forward in the step's own graph (``_mindspore.step_graph``; the network is compiled apart only where the step
-        cannot show it: no marked loop body, a constant proportional to the rows to confirm). `inputs`: the batch, or
-        Tensors of its shapes and dtypes (`comparable` False: their values are not the batch's), None where neither is
-        known. Returns ``(kind, again)``: the kind the graph showed where it differs from the cell's (trained from the
-        next compile), and whether the step must compile again (with that kind, or with the graph's own comparison
-        where nothing decided before it runs). Raises :class:`LossContractError` where the loss does not combine."""
+        forward in the step's own graph (``proto()``: its MindIR; `weights`: the names of its Parameters;
+        ``_mindspore.step_graph``); the network is compiled apart only where the step cannot show it (no marked loop
+        body, a constant proportional to the rows to confirm). `inputs`: the batch, or Tensors of its shapes and dtypes
+        (`comparable` False: their values are not the batch's), None where neither is known. Returns ``(kind,
+        again)``: the kind the graph showed where it differs from the cell's (trained from the next compile), and
+        whether the step must compile again (with that kind, or with the graph's own comparison where nothing decided
+        before it runs). Raises :class:`LossContractError` where the loss does not combine."""
         self.reads_step = False
         batch = self._batch(engine, inputs) if inputs is not None and self.reachable(inputs) else None
         if batch is None and inputs is not None and self.reachable(inputs):
             return None, False   # fewer than two micro-batches: nothing to combine
         try:
-            findings = None if batch is None else self._step_findings(engine, root, phase, inputs, batch)
+            findings = None if batch is None else self._step_findings(engine, proto, weights, inputs, batch)
             if findings is None and comparable:
                 findings = self.compare_values(engine, inputs)
         except LossContractError as error:
@@ -172,7 +174,7 @@ class LossContract(PrecisionNeutral):
         kind = findings.kind if findings.kind != self.kind else None
         return kind, kind is not None
 
-    def _step_findings(self, engine: nn.Cell, root: nn.Cell, phase: str, inputs: tuple,
+    def _step_findings(self, engine: nn.Cell, proto, weights: frozenset, inputs: tuple,
                        batch: BatchRows) -> Optional[Findings]:
         """What the step's graph shows (the network's own, compiled apart, where it shows nothing); None where
         undecided and nothing random is drawn."""
@@ -180,8 +182,7 @@ class LossContract(PrecisionNeutral):
         reading = None
         if layout is not None:
             try:
-                bodies = loss_graphs(root, phase, frozenset(parameter.name for parameter in root.get_parameters()),
-                                     type(self._user_network).__name__)
+                bodies = loss_graphs(proto(), weights, type(self._user_network).__name__)
             except Exception:  # pylint: disable=broad-except
                 bodies = []   # not the network's: the network's own graph is read instead
             positions = {index: position for position, (role, index) in enumerate(layout[2]) if role == SPLIT}
@@ -300,7 +301,7 @@ class LossContract(PrecisionNeutral):
                 f"it, so training would not give the full batch's update: on the first step, its loss on the first two "
                 f"micro-batches together ({rows} rows) is {readable(measured[0])}, but {readable(predicted[0])} "
                 f"combined from their own losses. Compared inside the graph, where the loss network's graph "
-                f"left it undecided or could not be read first (a jit function): a sum over the rows needs "
+                f"left it undecided and the batch's values were out of reach before: a sum over the rows needs "
                 f"reduction='sum'; a normalisation over the batch (a mask, sample weights, a count) needs "
                 f"(loss_sum, count) and per_token_loss=True.")
         return bad
