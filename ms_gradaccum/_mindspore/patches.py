@@ -275,8 +275,9 @@ def remove_patches() -> list:
     ``bprop`` calling ``mindspore.ops.zeros_like`` compiles, and kept for the process after (such a cell installs it
     again at its next compile); the graph executor's and the ``jit`` executor's ``compile`` wrapped while a package
     cell waits for its first compile, and removed by themselves after it (a cell still waiting then compares the first
-    two micro-batches' values in its graph instead of being read first); and what an adapter registered (``ms_gradaccum.mindformers``: the check
-    run first in MindFormers' ``BaseTrainer._check_grad_accumulation_steps``, installed at its import)."""
+    two micro-batches' values in its graph instead of being read first); and what an adapter registered
+    (``ms_gradaccum.mindformers``: the check run first in MindFormers' ``BaseTrainer._check_grad_accumulation_steps``,
+    installed at its import)."""
     removed = [name for name, patch in PATCHES.items() if patch.installed]
     for patch in PATCHES.values():
         patch.uninstall()
