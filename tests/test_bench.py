@@ -69,7 +69,7 @@ def test_bench_compile_targets_of_a_full_run_are_written_from_its_rows():
     targets = run.compile_targets(rows)
     for prefix in ("lm2: compile, divisible batch, 16 rows, K=4: GradAccumulationCell",
                    "lm2: compile, ragged batch, 18 rows, K=4: AccumulatingTrainOneStepCell", "lm2: compile K=64",
-                   "lm2: the loss contract's check: compile", "lm2: the check inside the graph",
+                   "lm2: the loss contract's check: compile", "lm2: a train cell of one's own",
                    "lm2: compile CPU seconds, K=4, against the floor: GradAccumulationCell", "lm2: step time K=4"):
         assert any(line.startswith(prefix) for line in targets), (prefix, targets)
     assert len(run.compile_targets(rows[:5])) < len(targets)   # control: fewer rows, fewer lines

@@ -173,11 +173,11 @@ class GraphCompile(Patch):
 _COMPILES = 2
 
 
-# A `jit` function (a functional training loop) compiles through its `_JitExecutor.compile(method_name, *args)`, which
+# A `jit` function (a functional training loop) compiles through `mindspore.graph.api._JitExecutor.compile`, which
 # returns the phase it compiled (or found cached: `ms_compile_cache`), on every call of the function.
 class JitCompile(Patch):
-    """``_JitExecutor.compile``, wrapped: the registered hooks are entered around each compile of a ``jit`` function,
-    as :class:`GraphCompile`'s, each given the executor and the phase once it is known (what they yield gets
+    """The ``jit`` executor's compile, wrapped: the registered hooks are entered around each compile of a ``jit``
+    function, as :class:`GraphCompile`'s, each given the executor and the phase once it is known (what they yield gets
     ``phase``); where one sets ``again``, the function compiles once more."""
 
     def __init__(self):
