@@ -70,6 +70,7 @@ def _grad_accumulation(batch_norm):
     return make
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("conv", [False, True], ids=["BatchNorm1d", "BatchNorm2d"])
 @pytest.mark.parametrize("momentum", [0.9, 0.99])
@@ -128,6 +129,7 @@ def test_batch_norm_window_of_batches_moves_them_once_as_the_batches_together():
         assert float(np.abs(e - a).max()) < 2e-6
 
 
+@pytest.mark.slow
 def test_batch_norm_window_resumed_from_a_checkpoint_mid_window(tmp_path):
     first, second = _batches(False, steps=2, rows=12, seed=4)
 
@@ -185,6 +187,7 @@ def test_batch_norm_checkpoint_without_the_statistics_state_loads_and_resumes(tm
     assert_params_close(params_of(resumed_net), params_of(net), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("make_net", [_dense_bn, _conv_bn], ids=["BatchNorm1d", "BatchNorm2d"])
 def test_batch_norm_frozen_trains_exactly_like_the_full_batch(make_net):
@@ -303,6 +306,7 @@ def test_batch_norm_in_inference_mode_moves_nothing():
         assert np.array_equal(e, a)
 
 
+@pytest.mark.slow
 def test_batch_norm_per_step_under_mixed_precision_o2():
     # amp_level O2 computes in float16 and keeps BatchNorm in float32: the statistics are combined in float32.
     def make():

@@ -365,6 +365,7 @@ def _attention_run(wrap, optimizer):
     return params_of(net), initial, (net.attention.k_is_v, net.attention.q_is_k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap, optimizer", [(_cell, "adam"), (_steps, "momentum")],
                          ids=["GradAccumulationCell-adam", "AccumulatingTrainOneStepCell-momentum"])
 def test_contract_check_leaves_what_a_cell_s_own_call_set_as_it_was(wrap, optimizer, monkeypatch):

@@ -188,6 +188,7 @@ def test_docs_primitives_list_is_the_table():
     assert _primitives_differ(sections, {**RULES, "Planted": None}) == ["in the table, not listed: Planted"]
 
 
+@pytest.mark.slow
 def test_docs_names_in_prose_exist():
     """Every repository path and every package name the prose cites (README, docs/, CONTRIBUTING, sample_code's
     READMEs, the package's and the tests' docstrings and comments) exists: read from the source, importing no zoo."""

@@ -144,6 +144,7 @@ def assert_exact_with_control(make, batches, mode=ms.GRAPH_MODE, unused=()):
     return cell
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [pytest.param(ms.GRAPH_MODE, id="graph"), pytest.param(ms.PYNATIVE_MODE,
                                                                                          id="pynative")])
 def test_graph_contract_integer_input_network_with_dropout_counts_its_ignored_labels(mode):
@@ -153,6 +154,7 @@ def test_graph_contract_integer_input_network_with_dropout_counts_its_ignored_la
     assert cell.kind == IgnoredLabelMean(1)
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("make, kind", [
     (lambda: IgnoredMean(head_last=True), IgnoredLabelMean(1)),
@@ -167,6 +169,7 @@ def test_graph_contract_counts_what_the_loss_divides_by_whatever_the_network_hol
     assert cell.kind == kind if isinstance(kind, IgnoredLabelMean) else isinstance(cell.kind, kind), cell.kind
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("ignore, nll", [(-1, False), (0, True), (1, False), (255, True)],
                          ids=["-1-cross_entropy", "0-nll_loss", "1-cross_entropy", "255-nll_loss"])
@@ -179,6 +182,7 @@ def test_graph_contract_ignore_values_other_than_minus_100(ignore, nll):
     assert cell.kind == IgnoredLabelMean(1, vocab_ignore), cell.kind
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 @pytest.mark.parametrize("make, ignore", [(IgnoredMean, -100), (ShiftedMaskMean, -1)],
                          ids=["ignored_label_mean", "shifted_labels_ge_0"])
@@ -197,12 +201,14 @@ def test_graph_contract_micro_batch_without_a_valid_label_adds_nothing(make, ign
         run(make, batches, K, check_loss=False)
 
 
+@pytest.mark.slow
 def test_graph_contract_rows_the_probe_read_all_ignored_on_step_1():
     # The probe read fixed rows (the first halves of micro-batches 0 and 1); all their labels -100 on step 1 left it
     # undecided. The graph does not read rows.
     assert_exact_with_control(IgnoredMean, token_batches(4, first_rows_ignored=True))
 
 
+@pytest.mark.slow
 def test_graph_contract_two_losses_on_the_same_labels_share_one_count():
     # Stopped before ("these loss cells ran 2 times"), though one count serves both: the graph shows two means over
     # the same count. Control: with the check off, the recognised cells' own counting still refuses two calls.
@@ -383,6 +389,7 @@ class MeanByShape(Embedder):
         return ((self.net(x) - y[:, :4]) ** 2).sum() / (x.shape[0] * 4)
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 def test_graph_contract_read_from_the_compiled_step_without_compiling_the_network_apart(monkeypatch):
     # GRAPH_MODE: the contract is read from the step's own compiled graph (no compile of the network apart); a kind
@@ -429,6 +436,7 @@ def run_in_jit(make, batches, micro_size=K, **kwargs):
     return initial, params_of(net), cell
 
 
+@pytest.mark.slow
 @pytest.mark.lowest
 def test_graph_contract_read_from_a_jit_functions_own_graph():
     # A functional loop in ms.jit: the contract is read from the function's compiled graph before it runs (it compiled

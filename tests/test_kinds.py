@@ -55,6 +55,7 @@ def _reference(optimizer, batches):
     return params_of(net), losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_kinds_new_kind_in_a_test_file_trains_the_full_batch_update(optimizer):
     batches = _batches(3, 14)   # 14 rows in 4 micro-batches: 4, 4, 3, 3 (uneven: the weights are not the rows)
@@ -81,6 +82,7 @@ def test_kinds_new_kind_in_a_test_file_trains_the_full_batch_update(optimizer):
     assert max_abs_diff(params_of(control), expected) > 1e-4
 
 
+@pytest.mark.slow
 def test_kinds_new_kind_over_windows_of_short_batches_under_the_train_cell():
     batches = _batches(4, 6) + _batches(2, 3, seed=6)      # the last window: two 3-row batches, split 2 + 1
     windows = [tuple(np.concatenate(parts) for parts in zip(*batches[i:i + 2])) for i in (0, 2, 4)]

@@ -91,6 +91,7 @@ print("BUILT", *loaded())
 """
 
 
+@pytest.mark.slow
 def test_parallel_modes_a_stand_alone_step_never_loads_the_parallel_pass():
     # The semi-auto hand-over sits behind one door (cells.grad_accumulation._parallel_pass), data parallel's
     # cross-rank parts behind another (cells.grad_accumulation.data_parallel_module): a stand-alone step reads
