@@ -6,15 +6,16 @@ the one ``Model`` builds, or the package cell itself), and MindSpore calls nothi
 
 - install: a package cell waits for its next compile (:func:`expect_compile`) when it is built, when a train cell is
   built around it (its ``set_grad``) and on its ``rebind()``; while any cell waits, the graph executor's ``compile``
-  runs :func:`around_compile` (``_mindspore.patches.GRAPH_COMPILE``);
+  runs :func:`around_compile` (``_mindspore.patches.GRAPH_COMPILE``), and the ``jit`` executor's
+  :func:`around_jit_compile` (``JIT_COMPILE``: a functional loop);
 - use: before a compile whose root holds a waiting cell in its tree, ``cell.before_compile(root, args)`` (it binds from
   that root, and prepares the loss contract's reading); after it, before the graph runs, ``cell.compiled(root, args)``
   reads the contract from the compiled step's graph, and where the cell must train with another kind the root compiles
   once more; an error of that compile gets the context of the cell whose engine it laid out
-  (``cell.compile_error_context``);
-- undo: after the compile, the cells it held stop waiting; once none waits (or each was dropped before a compile), the
-  executor's ``compile`` is MindSpore's again. A cell compiled only inside a ``jit`` function (a functional loop), which
-  this executor never compiles, stops waiting when that compile runs its compile checks (``compiled_elsewhere``).
+  (``cell.compile_error_context``); a ``jit`` function's compile is read the same way, for the cells whose compile
+  checks ran in it (``compiled_elsewhere``);
+- undo: after the compile, the cells it held stop waiting (a stop leaves them waiting, so every call stops); once none
+  waits (or each was dropped before a compile), both executors' ``compile`` is MindSpore's again.
 
 PyNative mode compiles nothing: the cells' own ``__call__`` does that work and stops them waiting.
 """
